@@ -1,0 +1,23 @@
+"""Logical axis names: the only vocabulary the model uses to describe its arrays.
+
+`partitioning.py` maps these names onto mesh axes; no other module names a mesh axis.
+"""
+
+# Parameter axes.
+EMBED = "embed"  # model width of a weight (d_model)
+MLP = "mlp"  # hidden units of the feed-forward block (d_ff)
+HEADS = "heads"  # attention heads
+KV = "kv"  # per-head width (head_dim)
+VOCAB = "vocab"  # vocabulary entries
+LAYERS = "layers"  # stacked decoder blocks
+NORM = "norm"  # LayerNorm scale/bias vectors
+POSITION = "position"  # rows of the learned position table
+
+# Activation axes.
+BATCH = "batch"  # sequences
+LENGTH = "length"  # positions inside a sequence
+ACT_EMBED = "activation_embed"  # d_model of an activation (kept whole: the batch owns data/fsdp)
+ACT_HEADS = "activation_heads"  # heads of an activation
+ACT_MLP = "activation_mlp"  # hidden units of an activation
+ACT_VOCAB = "activation_vocab"  # logits' vocabulary axis
+STAGE = "stage"  # pipeline stage of a stacked activation or parameter
