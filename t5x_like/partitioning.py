@@ -1,0 +1,60 @@
+"""Logical→mesh axis rules (the one table) and the shardings of parameters, optimizer state and batches."""
+
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from t5x_like import axis_names as ax
+
+Rules = Sequence[tuple]
+
+# The only place that names mesh axes. Each logical axis maps to a mesh axis, a tuple of them, or None.
+DEFAULT_RULES: Rules = (
+    (ax.BATCH, ("data", "fsdp")),
+    (ax.EMBED, "fsdp"),
+    (ax.MLP, "tensor"),
+    (ax.HEADS, "tensor"),
+    (ax.VOCAB, "tensor"),
+    (ax.LAYERS, "pipeline"),
+    (ax.STAGE, "pipeline"),
+    (ax.LENGTH, None),
+    (ax.KV, None),
+    (ax.NORM, None),
+    (ax.POSITION, None),
+    (ax.ACT_EMBED, None),
+    (ax.ACT_HEADS, "tensor"),
+    (ax.ACT_MLP, "tensor"),
+    (ax.ACT_VOCAB, "tensor"),
+)
+
+
+def logical_to_mesh_spec(logical: P, rules: Rules = DEFAULT_RULES) -> P:
+  """PartitionSpec of logical names → PartitionSpec of mesh axes."""
+  return nn.logical_to_mesh_axes(tuple(logical), rules)
+
+
+def shardings_from_boxed(boxed_tree: Any, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES) -> Any:
+  """NamedShardings for a tree whose leaves may be boxed with logical names (unboxed leaves replicate)."""
+  logical = nn.get_partition_spec(boxed_tree)
+  return jax.tree.map(lambda spec: NamedSharding(mesh, logical_to_mesh_spec(spec, rules)), logical,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def batch_sharding(mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+  """Sharding of a (batch, length) input array."""
+  return NamedSharding(mesh, logical_to_mesh_spec(P(ax.BATCH, ax.LENGTH), rules))
+
+
+def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def bytes_per_device(tree: Any) -> dict:
+  """{device: bytes held} over all addressable shards of the arrays in `tree`."""
+  held = {}
+  for leaf in jax.tree.leaves(tree):
+    for shard in leaf.addressable_shards:
+      held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+  return held

@@ -1,0 +1,29 @@
+"""`python -m t5x_like.train --gin_file=... [--gin.NAME=VALUE ...]`: flags → gin → trainer.train()."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from absl import flags  # pylint: disable=g-import-not-at-top
+from absl import logging
+
+from t5x_like import gin_utils
+from t5x_like import model
+from t5x_like import optimizer
+from t5x_like import trainer
+
+gin_utils.define_gin_flags()
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise ValueError(f"unexpected arguments {argv[1:]}")
+  gin_utils.parse_gin_flags()
+  result = trainer.train(gin_utils.configured(trainer.TrainConfig, "trainer"),
+                         gin_utils.configured(model.GPTConfig, "model"),
+                         gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))
+  logging.info("done: %s", {k: v for k, v in result.items() if k.startswith(("loss", "eval/"))})
+
+
+if __name__ == "__main__":
+  gin_utils.run(main)

@@ -1,0 +1,46 @@
+"""TrainState pytree; abstract init (eval_shape) → shardings → sharded init, so no host holds the whole model."""
+
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from t5x_like import partitioning
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a step updates: step counter, float32 parameters, optimizer state (all unboxed)."""
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def _boxed_init(model: nn.Module, tx: optax.GradientTransformation, rng, seq_len: int):
+  tokens = jnp.zeros((1, seq_len), jnp.int32)
+  params = model.init(rng, tokens)["params"]
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+
+def state_shardings(model, tx, mesh, rules=partitioning.DEFAULT_RULES, seq_len: int = 1):
+  """(abstract unboxed TrainState, matching tree of NamedShardings); nothing is allocated.
+
+  The optimizer state inherits its parameter's logical names because optax maps over the boxes.
+  """
+  boxed = jax.eval_shape(lambda: _boxed_init(model, tx, jax.random.key(0), seq_len))
+  shardings = partitioning.shardings_from_boxed(boxed, mesh, rules)
+  return nn.meta.unbox(boxed), shardings
+
+
+def init_state(model, tx, rng, mesh, rules=partitioning.DEFAULT_RULES, seq_len: int = 1):
+  """Initialises the TrainState directly into its shardings (jit with out_shardings).
+
+  Must run under `jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)` so the model's activation
+  constraints resolve.
+  """
+  _, shardings = state_shardings(model, tx, mesh, rules, seq_len)
+  init = jax.jit(lambda r: nn.meta.unbox(_boxed_init(model, tx, r, seq_len)), out_shardings=shardings)
+  return init(rng), shardings
