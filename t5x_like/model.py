@@ -143,7 +143,8 @@ def init_stacked_blocks(config: GPTConfig, rng, num_layers: int):
   block = Block(config, parent=None)
   dummy = jnp.zeros((1, 1, config.d_model), config.compute_dtype)
   dummy_mask = jnp.ones((1, 1, 1, 1), jnp.bool_)
-  stacked = jax.vmap(lambda r: block.init(r, dummy, dummy_mask)["params"])(jax.random.split(rng, num_layers))
+  # lax.map (a scan), not vmap: the blocks' activation constraints need an unbatched trace.
+  stacked = jax.lax.map(lambda r: block.init(r, dummy, dummy_mask)["params"], jax.random.split(rng, num_layers))
   return jax.tree.map(lambda b: b.replace(names=(ax.LAYERS,) + tuple(b.names)), stacked,
                       is_leaf=lambda b: isinstance(b, nn.LogicallyPartitioned))
 

@@ -42,6 +42,12 @@ def shardings_from_boxed(boxed_tree: Any, mesh: jax.sharding.Mesh, rules: Rules 
                       is_leaf=lambda x: isinstance(x, P))
 
 
+def unbox(tree: Any) -> Any:
+  """Strips logical-axis boxes without adding sharding constraints (safe outside jit, on abstract values)."""
+  return jax.tree.map(lambda x: x.value if isinstance(x, nn.meta.AxisMetadata) else x, tree,
+                      is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+
+
 def batch_sharding(mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
   """Sharding of a (batch, length) input array."""
   return NamedSharding(mesh, logical_to_mesh_spec(P(ax.BATCH, ax.LENGTH), rules))

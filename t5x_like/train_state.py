@@ -32,7 +32,7 @@ def state_shardings(model, tx, mesh, rules=partitioning.DEFAULT_RULES, seq_len: 
   """
   boxed = jax.eval_shape(lambda: _boxed_init(model, tx, jax.random.key(0), seq_len))
   shardings = partitioning.shardings_from_boxed(boxed, mesh, rules)
-  return nn.meta.unbox(boxed), shardings
+  return partitioning.unbox(boxed), shardings
 
 
 def init_state(model, tx, rng, mesh, rules=partitioning.DEFAULT_RULES, seq_len: int = 1):
@@ -42,5 +42,5 @@ def init_state(model, tx, rng, mesh, rules=partitioning.DEFAULT_RULES, seq_len: 
   constraints resolve.
   """
   _, shardings = state_shardings(model, tx, mesh, rules, seq_len)
-  init = jax.jit(lambda r: nn.meta.unbox(_boxed_init(model, tx, r, seq_len)), out_shardings=shardings)
+  init = jax.jit(lambda r: partitioning.unbox(_boxed_init(model, tx, r, seq_len)), out_shardings=shardings)
   return init(rng), shardings
