@@ -161,8 +161,8 @@ class GPT(nn.Module):
       tokens: (B, T) int token ids.
       positions: (B, T) position of each token in its document; default arange(T).
       segment_ids: (B, T) document ids, 0 = padding; default all ones.
-      cache: decoding only: per-layer stacked (k, v), each (LAYERS, B, S, H, Dh).
-      cache_index: decoding only: where this chunk starts in the cache (scalar int).
+      cache: decoding only: `init_cache(...)`, the keys/values of earlier chunks.
+      cache_index: decoding only: the cache slot of this chunk's first token (scalar int).
 
     Returns:
       (B, T, V) float32 logits, and the updated cache when `cache` was given.
@@ -183,7 +183,7 @@ class GPT(nn.Module):
     x = layers.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))  # (B, T, D)
     new_cache = None
     if cache is not None:
-      x, new_cache = self._decode_blocks(blocks, x, positions, cache, cache_index)
+      x, new_cache = self._decode_blocks(blocks, x, segment_ids, cache, cache_index)
     elif cfg.num_stages > 1:
       from t5x_like import pipeline  # pylint: disable=g-import-not-at-top
       x = pipeline.pipeline_blocks(cfg, blocks, x, segment_ids)
@@ -199,27 +199,30 @@ class GPT(nn.Module):
     logits = layers.constrain(logits, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB))  # (B, T, V) float32
     return logits if cache is None else (logits, new_cache)
 
-  def _decode_blocks(self, blocks, x, positions, cache, cache_index):
-    """Blocks with a KV cache: queries at `positions` attend to cached keys at positions ≤ theirs."""
-    cfg = self.config
-    block = Block(cfg, parent=None)
-    cache_len = cache[0].shape[2]
-    mask = (jnp.arange(cache_len)[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, S)
+  def _decode_blocks(self, blocks, x, segment_ids, cache, cache_index):
+    """Blocks over a KV cache: this chunk's keys/values are written at slots cache_index.., and each
+    query attends to the filled, non-padding slots at or before its own."""
+    block = Block(self.config, parent=None)
+    seg = jax.lax.dynamic_update_slice_in_dim(cache["segment_ids"], segment_ids, cache_index, axis=1)
+    query_slots = cache_index + jnp.arange(x.shape[1])  # (T,)
+    key_slots = jnp.arange(seg.shape[1])  # (S,)
+    mask = (key_slots[None, None, :] <= query_slots[None, :, None]) & (seg[:, None, :] != 0)  # (B, T, S)
 
     def body(h, layer):
       params, k_cache, v_cache = layer
-      h, (k_new, v_new) = block.apply({"params": params}, h, mask, (k_cache, v_cache), cache_index)
+      h, (k_new, v_new) = block.apply({"params": params}, h, mask[:, None], (k_cache, v_cache), cache_index)
       return h, (k_new, v_new)
 
-    x, (k, v) = jax.lax.scan(body, x, (blocks, cache[0], cache[1]))
-    return x, (k, v)
+    x, (k, v) = jax.lax.scan(body, x, (blocks, cache["k"], cache["v"]))
+    return x, {"k": k, "v": v, "segment_ids": seg}
 
 
-def init_cache(config: GPTConfig, batch: int, length: int, dtype=None):
-  """Zeroed KV cache: (k, v), each (LAYERS, B, length, H, Dh)."""
+def init_cache(config: GPTConfig, batch: int, length: int, dtype=None) -> dict:
+  """Empty KV cache: k, v (LAYERS, B, length, H, Dh) and the slots' segment ids (B, length), 0 = empty."""
   shape = (config.num_layers, batch, length, config.num_heads, config.head_dim)
   dtype = dtype or config.compute_dtype
-  return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+          "segment_ids": jnp.zeros((batch, length), jnp.int32)}
 
 
 def count_params(config: GPTConfig) -> int:
