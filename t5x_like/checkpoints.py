@@ -69,13 +69,14 @@ def abstract_with_shardings(abstract_state, shardings):
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
 
 
-def restore_latest(manager: ocp.CheckpointManager, abstract_state, iterator=None):
-  """Restores the newest step that reads back whole, falling back to older ones.
+def restore_latest(manager: ocp.CheckpointManager, abstract_state, iterator=None, step=None):
+  """Restores the newest step that reads back whole (or exactly `step`), falling back to older ones.
 
   Returns:
     (step, state, metadata), or (None, None, None) when there is no usable checkpoint.
   """
-  for step in sorted(manager.all_steps(), reverse=True):
+  steps = sorted(manager.all_steps(), reverse=True) if step is None else [step]
+  for step in steps:
     items = {STATE: ocp.args.StandardRestore(abstract_state), METADATA: ocp.args.JsonRestore()}
     if iterator is not None:
       items[DATA_ITER] = DataIteratorRestore(iterator)

@@ -1,0 +1,73 @@
+"""`python -m t5x_like.infer --gin_file=... --gin.MODEL_DIR=... --prompt=...`: sample text from the latest checkpoint."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from absl import flags  # pylint: disable=g-import-not-at-top
+import jax
+import numpy as np
+
+from t5x_like import checkpoints
+from t5x_like import gin_utils
+from t5x_like import model
+from t5x_like import optimizer
+from t5x_like import sampling
+from t5x_like import tokenizer as tokenizer_lib
+from t5x_like import trainer
+
+gin_utils.define_gin_flags()
+flags.DEFINE_multi_string("prompt", [], "Prompt text; repeat the flag for a batch of prompts.")
+flags.DEFINE_string("prompt_file", None, "A file with one prompt per line (added to --prompt).")
+flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate after each prompt.")
+flags.DEFINE_float("temperature", 0.0, "0 = greedy; otherwise softmax temperature.")
+flags.DEFINE_integer("top_k", 0, "Sample only among the k most likely tokens (0 = all).")
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set of tokens with this much probability.")
+flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_integer("step", None, "Checkpoint step to load (default: the newest good one).")
+FLAGS = flags.FLAGS
+
+
+def load_params(exp: trainer.Experiment, step=None):
+  """Parameters of the newest readable checkpoint (or `step`), restored onto the experiment's mesh."""
+  manager = checkpoints.make_manager(exp.config.model_dir, max_to_keep=None, async_save=False)
+  abstract = checkpoints.abstract_with_shardings(exp.abstract_state, exp.state_shardings)
+  found, state, _ = checkpoints.restore_latest(manager, abstract, step=step)
+  if state is None:
+    raise FileNotFoundError(f"no readable checkpoint in {checkpoints.checkpoint_dir(exp.config.model_dir)}"
+                            + (f" at step {step}" if step is not None else ""))
+  return found, state.params
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise ValueError(f"unexpected arguments {argv[1:]}")
+  gin_utils.parse_gin_flags()
+  prompts = list(FLAGS.prompt)
+  if FLAGS.prompt_file:
+    with open(FLAGS.prompt_file, encoding="utf-8") as f:
+      prompts += [line.rstrip("\n") for line in f if line.strip()]
+  if not prompts:
+    raise ValueError("no prompt: pass --prompt='...' (repeatable) or --prompt_file=FILE")
+  exp = trainer.Experiment(gin_utils.configured(trainer.TrainConfig, "trainer"),
+                           gin_utils.configured(model.GPTConfig, "model"),
+                           gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))
+  tok = tokenizer_lib.Tokenizer.load(os.path.join(exp.config.data_dir, exp.manifest["tokenizer"]))
+  cfg = exp.model_config
+  encoded = [tok.encode(p) for p in prompts]
+  longest = max(len(e) for e in encoded) + FLAGS.max_new_tokens
+  if longest > cfg.max_len:
+    raise ValueError(f"prompt + --max_new_tokens = {longest} tokens exceeds the model's max_len={cfg.max_len}")
+  with exp.context():
+    step, params = load_params(exp, FLAGS.step)
+    tokens, segments = sampling.left_pad(encoded, tok.pad_id)
+    out = sampling.generate(params, tokens, segments, jax.random.key(FLAGS.seed), config=cfg,
+                            max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+                            top_k=FLAGS.top_k, top_p=FLAGS.top_p, eos_id=tok.eos_id, pad_id=tok.pad_id)
+  print(f"# checkpoint step {step}", flush=True)
+  for prompt, row in zip(prompts, np.asarray(out)):
+    print(prompt + tok.decode([int(t) for t in row]), flush=True)
+
+
+if __name__ == "__main__":
+  gin_utils.run(main)
