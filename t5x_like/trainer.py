@@ -214,7 +214,7 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
   step_fn = exp.jit_train_step()
   eval_fn = exp.jit_eval_step()
   watch = metrics_lib.Stopwatch()
-  records, last = [], {}
+  records, last, compile_seconds = [], {}, None
   step = start
   with exp.context():
     while step < config.train_steps:
@@ -225,7 +225,7 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
         t_compile = time.perf_counter()
         state, step_metrics = step_fn(state, batch)
         jax.block_until_ready(step_metrics)
-        last["compile_seconds"] = time.perf_counter() - t_compile
+        compile_seconds = time.perf_counter() - t_compile
       else:
         state, step_metrics = step_fn(state, batch)
       step += 1
@@ -239,8 +239,8 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
         scalars["step_seconds"] = elapsed / len(records)
         scalars["data_wait_seconds"] = watch.totals.get("data_wait", 0.0) / len(records)
         scalars.update(metrics_lib.device_memory())
-        if "compile_seconds" in last:
-          scalars["compile_seconds"] = last.pop("compile_seconds")
+        if compile_seconds is not None:  # first step of this launch: trace + compile + run
+          scalars["compile_seconds"], compile_seconds = compile_seconds, None
         logger.write(step, scalars)
         logging.info("%s", metrics_lib.progress_line(step, config.train_steps, scalars["loss"],
                                                      scalars["tokens_per_sec"], scalars["mfu"],
