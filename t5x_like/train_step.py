@@ -85,8 +85,8 @@ def train_step(state: TrainState, batch: Batch, *, apply_fn: Callable, tx: optax
   metrics = {
       "loss": loss,
       "tokens": weight_sum,
-      "grad_norm": optax.global_norm(grads),
-      "param_norm": optax.global_norm(new_state.params),
+      "grad_norm": optax.tree.norm(grads),
+      "param_norm": optax.tree.norm(new_state.params),
       "lr": lr_fn(state.step),
       "nonfinite": 1 - finite.astype(jnp.int32),
   }
