@@ -1,0 +1,342 @@
+"""tf.data input: manifest checks -> host split -> interleave -> batched parse -> pack -> shuffle -> batch -> prefetch."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import posixpath
+import sys
+import time
+from typing import Any
+
+import tensorflow as tf
+
+try:  # TensorFlow only feeds data here: keep it off the accelerators JAX owns.
+  tf.config.set_visible_devices([], "GPU")
+except RuntimeError:  # TF already initialised by the caller; it then decided device placement
+  pass
+
+AUTOTUNE = tf.data.AUTOTUNE
+_PREPROCESS_HINT = "run python -m t5x_like.preprocess --input=GLOB --output_dir={d}"
+
+
+def _join(data_dir: str, rel: str) -> str:
+  return f"{data_dir.rstrip('/')}/{rel}"
+
+
+def resolve_path(data_dir: str, rel: str) -> str:
+  """Path of a manifest entry; absolute paths, URLs and '..' that leave DATA_DIR are refused."""
+  norm = posixpath.normpath(str(rel))
+  if (not rel or "://" in rel or norm.startswith("/") or norm == ".." or norm.startswith("../")
+      or "\\" in rel):
+    raise ValueError(f"manifest.json in DATA_DIR '{data_dir}' names '{rel}', a path outside "
+                     "DATA_DIR: entries must be relative paths inside it")
+  return _join(data_dir, norm)
+
+
+def _sha256(path: str) -> str:
+  h = hashlib.sha256()
+  with tf.io.gfile.GFile(path, "rb") as f:
+    while chunk := f.read(1 << 22):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def load_manifest(data_dir: str, *, verify: str = "size") -> dict:
+  """Reads and checks DATA_DIR/manifest.json against the files next to it.
+
+  Args:
+    data_dir: the prepared dataset directory (local or gs://...).
+    verify: "none": files exist; "size": also each shard's byte size (default, cheap);
+      "sha256": also each shard's hash (reads every shard).
+
+  Returns:
+    The manifest dict.
+
+  Raises:
+    FileNotFoundError: DATA_DIR, manifest.json, the tokenizer or a shard is missing (message names it).
+    ValueError: the manifest is malformed, refers outside DATA_DIR, or disagrees with the files.
+  """
+  data_dir = str(data_dir)
+  if not tf.io.gfile.isdir(data_dir):
+    raise FileNotFoundError(f"DATA_DIR '{data_dir}' does not exist: " + _PREPROCESS_HINT.format(d=data_dir))
+  path = _join(data_dir, "manifest.json")
+  if not tf.io.gfile.exists(path):
+    raise FileNotFoundError(f"DATA_DIR '{data_dir}' has no manifest.json: "
+                            + _PREPROCESS_HINT.format(d=data_dir))
+  try:
+    with tf.io.gfile.GFile(path) as f:
+      manifest = json.load(f)
+  except ValueError as e:
+    raise ValueError(f"{path} is not valid JSON: {e}") from e
+  if not isinstance(manifest, dict) or manifest.get("format_version") != 1:
+    raise ValueError(f"{path}: format_version must be 1, found "
+                     f"{manifest.get('format_version') if isinstance(manifest, dict) else manifest!r}")
+  for key in ("tokenizer", "tokenizer_sha256", "vocab_size", "pad_id", "eos_id", "splits"):
+    if key not in manifest:
+      raise ValueError(f"{path} lacks the key '{key}'")
+  tok = resolve_path(data_dir, manifest["tokenizer"])
+  if not tf.io.gfile.exists(tok):
+    raise FileNotFoundError(f"Tokenizer '{tok}' listed in {path} is missing")
+  if verify != "none" and _sha256(tok) != manifest["tokenizer_sha256"]:
+    raise ValueError(f"Tokenizer '{tok}' does not match tokenizer_sha256 in {path}: the shards "
+                     "were written with another tokenizer; re-run preprocess")
+  for split, entry in manifest["splits"].items():
+    shards = entry.get("shards") or []
+    if not shards:
+      raise ValueError(f"{path}: split '{split}' lists no shards")
+    for key in ("num_documents", "num_tokens"):
+      if key in entry and entry[key] != sum(s.get(key, 0) for s in shards):
+        raise ValueError(f"{path}: split '{split}' {key}={entry[key]} but its shards add up to "
+                         f"{sum(s.get(key, 0) for s in shards)}")
+    for s in shards:
+      f = resolve_path(data_dir, s["path"])
+      if not tf.io.gfile.exists(f):
+        raise FileNotFoundError(f"Shard '{f}' listed in {path} is missing")
+      if verify in ("size", "sha256") and "num_bytes" in s:
+        size = tf.io.gfile.stat(f).length
+        if size != s["num_bytes"]:
+          raise ValueError(f"Shard '{f}' has {size} bytes but {path} says {s['num_bytes']}: "
+                           "truncated, corrupt or from another run")
+      if verify == "sha256" and "sha256" in s and _sha256(f) != s["sha256"]:
+        raise ValueError(f"Shard '{f}' does not match its sha256 in {path}")
+  if verify not in ("none", "size", "sha256"):
+    raise ValueError(f"verify must be 'none', 'size' or 'sha256', got '{verify}'")
+  return manifest
+
+
+def pack_features(rows: tf.Tensor, pad_id: int = 0, eos_id: int = 1) -> dict[str, tf.Tensor]:
+  """Model features from rows of L+1 tokens cut from the document stream.
+
+  A document starts at column 0 and after every EOS; `pad_id` marks padding. Loss never crosses a
+  document boundary: the target after an EOS belongs to the next document, so its weight is 0.
+
+  Example (pad 0, EOS 1; a row holding the end of doc A, doc B, and padding):
+    rows        [[7, 1, 5, 6, 1, 0]]
+    inputs      [[7, 1, 5, 6, 1]]      targets   [[1, 5, 6, 1, 0]]
+    segment_ids [[1, 1, 2, 2, 2]]      positions [[0, 1, 0, 1, 2]]
+    weights     [[1, 0, 1, 1, 0]]
+
+  Args:
+    rows: int32 (B, L+1).
+
+  Returns:
+    inputs, targets, segment_ids, positions: int32 (B, L); weights: float32 (B, L).
+  """
+  rows = tf.cast(rows, tf.int32)                                       # (B, L+1)
+  is_pad = tf.equal(rows, pad_id)
+  is_eos = tf.equal(rows, eos_id)
+  starts = tf.pad(is_eos[:, :-1], [[0, 0], [1, 0]], constant_values=True)
+  segments = tf.cumsum(tf.cast(starts, tf.int32), axis=1)              # 1, 2, ... per row
+  flat_starts = tf.reshape(starts, [-1])
+  group = tf.cumsum(tf.cast(flat_starts, tf.int32)) - 1                # global segment index
+  index = tf.range(tf.size(flat_starts, out_type=tf.int32))
+  first = tf.gather(tf.math.segment_min(index, group), group)          # index of segment start
+  positions = tf.reshape(index - first, tf.shape(rows))
+  zeros = tf.zeros_like(rows)
+  segments = tf.where(is_pad, zeros, segments)
+  positions = tf.where(is_pad, zeros, positions)
+  same_doc = ~is_eos[:, :-1] & ~is_pad[:, :-1] & ~is_pad[:, 1:]
+  return {"inputs": rows[:, :-1], "targets": rows[:, 1:], "segment_ids": segments[:, :-1],
+          "positions": positions[:, :-1], "weights": tf.cast(same_doc, tf.float32)}
+
+
+def _read_shard(path, expected, *, records_per_read, record_shard, on_corrupt):
+  """Batches of serialized records of one shard; an unreadable tail errors (or warns) naming it."""
+  ds = tf.data.TFRecordDataset(path).ignore_errors()
+  if record_shard is not None:
+    ds = ds.shard(*record_shard)
+  body = ds.batch(records_per_read).map(lambda b: (b, False))
+  end = tf.data.Dataset.from_tensors((tf.zeros([0], tf.string), True))
+
+  def check(count, element):
+    batch, is_end = element
+    count += tf.size(batch, out_type=tf.int64)
+    bad = is_end & tf.not_equal(count, expected)
+    msg = ["Shard", path, "yielded", count, "records but manifest.json lists", expected,
+           "for this reader: the file is corrupt, truncated or does not match the manifest"]
+    if on_corrupt == "raise":
+      op = tf.debugging.Assert(~bad, msg, summarize=1)
+    else:
+      op = tf.cond(bad, lambda: _warn(["WARNING: skipped unreadable records."] + msg),
+                   lambda: tf.constant(False))
+    with tf.control_dependencies([op]):
+      return count, tf.identity(batch)
+
+  return (body.concatenate(end).scan(tf.constant(0, tf.int64), check)
+          .filter(lambda b: tf.size(b) > 0))
+
+
+def _warn(msg):
+  with tf.control_dependencies([tf.print(*msg, output_stream=sys.stderr)]):
+    return tf.constant(True)
+
+
+def _parse_flat(serialized, *, drop_pad: bool, pad_id: int):
+  """(K,) serialized Examples -> all their tokens back to back, int32 (n,)."""
+  tokens = tf.io.parse_example(serialized, {"tokens": tf.io.RaggedFeature(tf.int64)})["tokens"]
+  values = tf.cast(tokens.flat_values, tf.int32)
+  return tf.boolean_mask(values, tf.not_equal(values, pad_id)) if drop_pad else values
+
+
+def _parse_rows(serialized, *, length: int):
+  """(K,) serialized pre-packed Examples -> int32 (K, length)."""
+  spec = {"tokens": tf.io.FixedLenFeature([length], tf.int64)}
+  return tf.cast(tf.io.parse_example(serialized, spec)["tokens"], tf.int32)
+
+
+def _pad_to(x, size: int, axis: int):
+  pad = [[0, 0]] * len(x.shape)
+  pad[axis] = [0, size - tf.shape(x)[axis]]
+  out = tf.pad(x, pad)
+  return tf.ensure_shape(out, [size if i == axis else d for i, d in enumerate(x.shape)])
+
+
+def host_shards(manifest: dict, data_dir: str, split: str, process_index: int,
+                process_count: int) -> tuple[list[tuple[str, int]], tuple[int, int] | None]:
+  """This process's (path, expected records) and the record-level split when shards are too few."""
+  if split not in manifest["splits"]:
+    raise ValueError(f"DATA_DIR '{data_dir}' has no split '{split}' "
+                     f"(available: {sorted(manifest['splits'])})")
+  shards = [(resolve_path(data_dir, s["path"]), int(s["num_records"] if "num_records" in s
+                                                   else s["num_documents"]))
+            for s in manifest["splits"][split]["shards"]]
+  if len(shards) >= process_count:
+    return shards[process_index::process_count], None
+  count = lambda n: len(range(process_index, n, process_count))  # records i with i % P == index
+  return [(p, count(n)) for p, n in shards], (process_count, process_index)
+
+
+def make_dataset(data_dir: str, split: str, *, batch_size: int, seq_len: int, seed: int = 0,
+                 shuffle: bool = True, repeat: bool = True, process_index: int | None = None,
+                 process_count: int | None = None, shuffle_buffer: int = 1024,
+                 num_parallel_reads: int = AUTOTUNE, cycle_length: int | None = None,
+                 records_per_read: int = 64, on_corrupt: str = "raise", verify: str = "size",
+                 prefetch: int = AUTOTUNE) -> tf.data.Dataset:
+  """This process's batches of packed rows; see `pack_features` for the element.
+
+  Shards are dealt to processes round-robin (record-level when there are fewer shards than
+  processes). Rows are cut from the stream of documents (each ending in EOS) in read order, so
+  with repeat=True rows run across epochs and no token is dropped; with repeat=False the last row
+  and the last batch are padded (segment 0, weight 0) so no token is dropped either. Pre-packed
+  data (manifest packed_length == seq_len + 1) is read row by row without repacking.
+
+  Args:
+    data_dir: prepared DATA_DIR.
+    split: "train" or "validation".
+    batch_size: rows per batch produced by this process.
+    seq_len: L; rows hold L+1 tokens (inputs = row[:-1], targets = row[1:]).
+    seed: file-order and row shuffle seed (same seed -> same batches).
+    shuffle: shuffle shard order each epoch and rows within `shuffle_buffer`.
+    repeat: cycle forever.
+    process_index, process_count: default jax.process_index() / jax.process_count().
+    num_parallel_reads: parallel shard readers.
+    cycle_length: shards open at once (default min(#shards, 8)); fixed, so order is machine-independent.
+    records_per_read: records parsed per `parse_example` call.
+    on_corrupt: "raise": an unreadable shard fails naming the file; "skip": its unreadable tail
+      is skipped and a warning with the count of skipped records is printed.
+    verify: manifest checks before reading ("none", "size", "sha256").
+    prefetch: batches prefetched.
+
+  Returns:
+    tf.data.Dataset of {inputs, targets, segment_ids, positions: int32 (B, L), weights: f32 (B, L)}.
+  """
+  if on_corrupt not in ("raise", "skip"):
+    raise ValueError(f"on_corrupt must be 'raise' or 'skip', got '{on_corrupt}'")
+  if batch_size < 1 or seq_len < 1:
+    raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+  manifest = load_manifest(data_dir, verify=verify)
+  if process_index is None or process_count is None:
+    import jax  # pylint: disable=g-import-not-at-top  (lazy: TF-only users never load JAX)
+    process_index, process_count = jax.process_index(), jax.process_count()
+  shards, record_shard = host_shards(manifest, data_dir, split, process_index, process_count)
+  pad_id, eos_id, length = manifest["pad_id"], manifest["eos_id"], seq_len + 1
+  local_seed = seed * 1_000_003 + process_index
+  files = tf.data.Dataset.from_tensor_slices(([p for p, _ in shards],
+                                             tf.constant([n for _, n in shards], tf.int64)))
+  if shuffle:
+    files = files.shuffle(len(shards), seed=local_seed, reshuffle_each_iteration=True)
+  if repeat:
+    files = files.repeat()
+  read = functools.partial(_read_shard, records_per_read=records_per_read,
+                           record_shard=record_shard, on_corrupt=on_corrupt)
+  ds = files.interleave(read, cycle_length=cycle_length or min(len(shards), 8), block_length=1,
+                        num_parallel_calls=num_parallel_reads, deterministic=True)
+  packed = manifest.get("packed_length")
+  if packed == length:  # pre-packed rows: parse densely, no repacking
+    ds = ds.map(functools.partial(_parse_rows, length=length), num_parallel_calls=AUTOTUNE,
+                deterministic=True).unbatch()
+  else:
+    parse = functools.partial(_parse_flat, drop_pad=bool(packed), pad_id=pad_id)
+    ds = ds.map(parse, num_parallel_calls=AUTOTUNE, deterministic=True)
+    ds = ds.rebatch(length, drop_remainder=repeat)
+    if not repeat:
+      ds = ds.map(lambda r: _pad_to(r, length, 0))
+  if shuffle:
+    ds = ds.shuffle(shuffle_buffer, seed=local_seed)
+  ds = ds.batch(batch_size, drop_remainder=repeat)
+  if not repeat:
+    ds = ds.map(lambda b: _pad_to(b, batch_size, 0))
+  ds = ds.map(functools.partial(pack_features, pad_id=pad_id, eos_id=eos_id),
+              num_parallel_calls=AUTOTUNE, deterministic=True)
+  options = tf.data.Options()
+  options.deterministic = True
+  return ds.with_options(options).prefetch(prefetch)
+
+
+def prefetch_depth(iterator) -> int | None:
+  """Batches waiting in the final prefetch buffer of a tf.data iterator (None if unavailable).
+
+  tf.data has no public gauge for this; its autotuning model (`get_model_proto`) records the
+  buffered elements of every asynchronous node, and we read the outermost Prefetch node.
+  """
+  try:
+    model = tf.data.experimental.get_model_proto(iterator)
+  except Exception:  # pylint: disable=broad-except  (autotune off, or an older TF)
+    return None
+  node = model.nodes.get(model.output)
+  for _ in range(len(model.nodes)):
+    if node is None:
+      return None
+    if node.name == "Prefetch":
+      return int(node.buffered_elements)
+    node = model.nodes.get(node.inputs[0]) if node.inputs else None
+  return None
+
+
+class DataIterator:
+  """Numpy batches from a dataset, timing each wait; `.iterator` is what a checkpoint saves.
+
+  Example:
+    it = DataIterator(make_dataset(DATA_DIR, "train", batch_size=8, seq_len=256))
+    batch = next(it)                   # dict of numpy arrays
+    it.metrics()                       # {"data_wait_s": ..., "prefetch_depth": ...}
+    tf.train.Checkpoint(iterator=it.iterator).write(path)
+  """
+
+  def __init__(self, dataset: tf.data.Dataset):
+    self.iterator = iter(dataset)
+    self.last_wait_s = 0.0
+    self.total_wait_s = 0.0
+    self.steps = 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, Any]:
+    start = time.perf_counter()
+    batch = {k: v._numpy() for k, v in next(self.iterator).items()}  # pylint: disable=protected-access
+    self.last_wait_s = time.perf_counter() - start
+    self.total_wait_s += self.last_wait_s
+    self.steps += 1
+    return batch
+
+  def metrics(self) -> dict[str, float]:
+    """data_wait_s of the last step, its mean so far, and the prefetch queue depth."""
+    depth = prefetch_depth(self.iterator)
+    out = {"data_wait_s": self.last_wait_s,
+           "data_wait_s_mean": self.total_wait_s / max(self.steps, 1)}
+    if depth is not None:
+      out["prefetch_depth"] = float(depth)
+    return out

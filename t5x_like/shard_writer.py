@@ -1,0 +1,164 @@
+"""Train/validation split, balanced seeded sharding, optional packing and atomic TFRecord writes."""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import os
+import posixpath
+from typing import Iterable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.model"
+SPLITS = ("train", "validation")
+
+
+def join(base: str, rel: str) -> str:
+  """Joins for local and URL-like paths (gs://bucket/dir) alike."""
+  return posixpath.join(base, rel) if "://" in base else os.path.join(base, rel)
+
+
+def shard_name(split: str, index: int, count: int) -> str:
+  return f"{split}-{index:05d}-of-{count:05d}.tfrecord"
+
+
+def is_validation(doc_hash: bytes, fraction: float, seed: int) -> bool:
+  """Deterministic split by content: the same document lands in the same split on every run."""
+  h = hashlib.sha256(seed.to_bytes(8, "little", signed=True) + bytes(doc_hash)).digest()
+  return int.from_bytes(h[:8], "little") < fraction * 2.0**64
+
+
+def split_documents(hashes: Sequence[bytes], fraction: float, seed: int) -> np.ndarray:
+  """Boolean mask of validation documents; at least one when fraction > 0 and there are >= 2 docs."""
+  mask = np.array([is_validation(h, fraction, seed) for h in hashes], bool)
+  if fraction > 0 and len(hashes) >= 2 and not mask.any():
+    scores = [hashlib.sha256(seed.to_bytes(8, "little", signed=True) + bytes(h)).digest()
+              for h in hashes]
+    mask[int(np.argmin(scores))] = True
+  if mask.all() and len(hashes) >= 2:  # keep at least one training document
+    mask[0] = False
+  return mask
+
+
+def plan_shards(lengths: Sequence[int], num_shards: int, seed: int) -> list[list[int]]:
+  """Assigns documents to shards: seeded shuffle, then each to the shard with fewest tokens so far.
+
+  Example:
+    >>> plan_shards([5, 1, 1, 3], num_shards=2, seed=0)   # two shards of 5 tokens each
+    [[0], [3, 1, 2]]   # (order depends on the seed)
+
+  Returns:
+    For each shard, the document indices in the order they are written.
+  """
+  order = np.random.default_rng(seed).permutation(len(lengths))
+  heap = [(0, i) for i in range(num_shards)]
+  shards: list[list[int]] = [[] for _ in range(num_shards)]
+  for doc in order.tolist():
+    size, i = heapq.heappop(heap)
+    shards[i].append(doc)
+    heapq.heappush(heap, (size + int(lengths[doc]), i))
+  return shards
+
+
+def pack_rows(docs: Iterable[np.ndarray], length: int, pad_id: int) -> np.ndarray:
+  """Concatenates documents and cuts the stream into rows of `length`; the last row is padded.
+
+  Example:
+    >>> pack_rows([np.array([5, 6, 1]), np.array([7, 1])], length=3, pad_id=0)
+    array([[5, 6, 1], [7, 1, 0]], dtype=int32)
+  """
+  stream = np.concatenate([np.asarray(d, np.int32) for d in docs] or [np.zeros([0], np.int32)])
+  rows = -(-len(stream) // length)
+  out = np.full([rows * length], pad_id, np.int32)
+  out[:len(stream)] = stream
+  return out.reshape(rows, length)
+
+
+def serialize(tokens: np.ndarray) -> bytes:
+  """One `tf.train.Example` with int64 feature "tokens"."""
+  feature = tf.train.Feature(int64_list=tf.train.Int64List(value=np.asarray(tokens).tolist()))
+  return tf.train.Example(features=tf.train.Features(feature={"tokens": feature})).SerializeToString()
+
+
+def file_sha256(path: str) -> str:
+  h = hashlib.sha256()
+  with tf.io.gfile.GFile(path, "rb") as f:
+    while chunk := f.read(1 << 22):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def write_records(path: str, records: Iterable[bytes]) -> dict:
+  """Writes a TFRecord file to a temporary name and renames it into place when complete."""
+  tmp = f"{path}.tmp-{os.getpid()}"
+  n = 0
+  with tf.io.TFRecordWriter(tmp) as w:
+    for r in records:
+      w.write(r)
+      n += 1
+  tf.io.gfile.rename(tmp, path, overwrite=True)
+  return {"num_records": n, "num_bytes": tf.io.gfile.stat(path).length, "sha256": file_sha256(path)}
+
+
+def write_shard(output_dir: str, name: str, docs: Sequence[np.ndarray], pack_length: int | None,
+                pad_id: int) -> dict:
+  """Writes one shard of documents (or of packed rows) and returns its manifest entry."""
+  if pack_length:
+    records = (serialize(row) for row in pack_rows(docs, pack_length, pad_id))
+  else:
+    records = (serialize(d) for d in docs)
+  entry = {"path": name, "num_documents": len(docs),
+           "num_tokens": int(sum(len(d) for d in docs))}
+  entry.update(write_records(join(output_dir, name), records))
+  return entry
+
+
+def split_entry(shards: list[dict]) -> dict:
+  return {"shards": shards,
+          "num_documents": sum(s["num_documents"] for s in shards),
+          "num_tokens": sum(s["num_tokens"] for s in shards),
+          "num_records": sum(s["num_records"] for s in shards)}
+
+
+def write_json(path: str, value: dict) -> None:
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with tf.io.gfile.GFile(tmp, "w") as f:
+    f.write(json.dumps(value, indent=1, sort_keys=False) + "\n")
+  tf.io.gfile.rename(tmp, path, overwrite=True)
+
+
+def remove_stale(output_dir: str, keep: Iterable[str]) -> list[str]:
+  """Deletes shard files (and temp files) from earlier runs that the new manifest does not list."""
+  keep = set(keep)
+  removed = []
+  for split in SPLITS:
+    for path in tf.io.gfile.glob(join(output_dir, f"{split}-*.tfrecord*")):
+      if posixpath.basename(path) not in keep:
+        tf.io.gfile.remove(path)
+        removed.append(path)
+  return removed
+
+
+def make_manifest(tokenizer, splits: dict, pack_length: int | None, extra: dict) -> dict:
+  """The manifest.json content; see input_pipeline.load_manifest for what readers check."""
+  manifest = {
+      "format_version": FORMAT_VERSION,
+      "tokenizer": TOKENIZER,
+      "tokenizer_sha256": tokenizer.sha256,
+      "vocab_size": tokenizer.vocab_size,
+      "pad_id": tokenizer.pad_id,
+      "eos_id": tokenizer.eos_id,
+      "bos_id": tokenizer.bos_id,
+      "unk_id": tokenizer.unk_id,
+      "eos_appended": True,         # every record's documents already end in exactly one EOS
+      "feature": "tokens",          # int64 list per tf.train.Example
+      "packed_length": pack_length,  # None: one document per record; N: rows of N tokens, 0-padded
+      "splits": splits,
+  }
+  manifest.update(extra)
+  return manifest

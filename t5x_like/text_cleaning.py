@@ -1,0 +1,210 @@
+"""Per-document text functions (decode, split, clean, hash, tokenize) shared by every preprocess runner."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import html
+import itertools
+import json
+import re
+import unicodedata
+from typing import Iterator
+
+import numpy as np
+
+# Cc characters except tab / newline / carriage return, plus BOM, zero-width space and the
+# non-characters U+FFFE / U+FFFF.
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ufeff\u200b\ufffe\uffff]")
+_HTML_BLOCK = re.compile(r"<(script|style)\b[^>]*>.*?</\1\s*>|<!--.*?-->", re.S | re.I)
+_HTML_TAG = re.compile(r"</?[A-Za-z][A-Za-z0-9:-]*(\s[^<>]*)?/?>")
+_EXOTIC_SPACE = re.compile("[\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]")
+_TRAILING_SPACE = re.compile(r"[ \t]+\n")
+_MANY_BLANK_LINES = re.compile(r"\n{3,}")
+_RUN_OF_SPACES = re.compile(r"[ \t]{2,}")
+_BLANK_LINE_SPLIT = re.compile(r"\n[ \t]*\n")
+_SURROGATE = re.compile("[\udc80-\udcff]")
+
+
+@dataclasses.dataclass(frozen=True)
+class CleaningConfig:
+  """Which cleaning rules run; every rule counts the documents it changed or dropped."""
+  non_utf8: str = "replace"         # invalid UTF-8 bytes: "replace" each with U+FFFD, or "drop" the doc
+  strip_html: bool = False          # drop <script>/<style>/comments and tags, unescape entities
+  remove_control_chars: bool = True  # delete C0/C1 controls (not \t \n), BOM, zero-width space
+  unicode_form: str = "NFC"         # "NFC", "NFKC", ... or "" to keep the code points as they are
+  whitespace: str = "basic"         # "none"; "basic": \r\n->\n, odd spaces->' ', strip line ends,
+                                    # at most 2 blank lines; "collapse": basic + runs of spaces->' '
+  min_chars: int = 1                # drop documents shorter than this after cleaning
+  dedup: bool = True                # drop exact duplicates (same cleaned text) after the first
+
+  def __post_init__(self):
+    if self.non_utf8 not in ("replace", "drop"):
+      raise ValueError(f"non_utf8 must be 'replace' or 'drop', got '{self.non_utf8}'")
+    if self.whitespace not in ("none", "basic", "collapse"):
+      raise ValueError(f"whitespace must be 'none', 'basic' or 'collapse', got '{self.whitespace}'")
+    if self.unicode_form not in ("", "NFC", "NFD", "NFKC", "NFKD"):
+      raise ValueError(f"unicode_form must be NFC/NFD/NFKC/NFKD or '', got '{self.unicode_form}'")
+
+
+def decode_utf8(raw: bytes) -> str:
+  """Decodes bytes as UTF-8; each invalid byte becomes a lone surrogate (U+DC80..U+DCFF)."""
+  return raw.decode("utf-8", "surrogateescape")
+
+
+def fix_invalid_utf8(text: str, policy: str, counts: collections.Counter) -> str | None:
+  """Replaces (with U+FFFD) or drops the undecodable bytes left by `decode_utf8`, counting them."""
+  bad = len(_SURROGATE.findall(text))
+  if not bad:
+    return text
+  counts["invalid_utf8_bytes"] += bad
+  counts["documents_with_invalid_utf8"] += 1
+  if policy == "drop":
+    counts["dropped_non_utf8"] += 1
+    return None
+  return _SURROGATE.sub("\ufffd", text)
+
+
+def split_documents(text: str, mode: str) -> list[str]:
+  """Splits a plain-text file: "file" -> one document, "blank_line" -> paragraphs."""
+  if mode == "file":
+    return [text]
+  if mode == "blank_line":
+    return [d for d in _BLANK_LINE_SPLIT.split(text.replace("\r\n", "\n")) if d.strip()]
+  raise ValueError(f"doc_split must be 'file' or 'blank_line', got '{mode}'")
+
+
+def iter_jsonl(text: str, field: str, counts: collections.Counter) -> Iterator[str]:
+  """Yields `field` of each JSON line; bad lines and lines without the field are counted."""
+  for line in text.splitlines():
+    if not line.strip():
+      continue
+    try:
+      value = json.loads(line)
+    except ValueError:
+      counts["dropped_bad_json"] += 1
+      continue
+    if not isinstance(value, dict) or not isinstance(value.get(field), str):
+      counts["dropped_missing_field"] += 1
+      continue
+    yield value[field]
+
+
+def clean_text(text: str, config: CleaningConfig, counts: collections.Counter) -> str | None:
+  """Applies the cleaning rules in order; returns None (and counts why) when the document is dropped.
+
+  Example:
+    >>> clean_text("<p>caf\\u0065\\u0301 &amp; tea</p>\\r\\n", CleaningConfig(strip_html=True), c)
+    'café & tea\\n'
+  """
+  text = fix_invalid_utf8(text, config.non_utf8, counts)
+  if text is None:
+    return None
+  if config.strip_html:
+    new = html.unescape(_HTML_TAG.sub("", _HTML_BLOCK.sub("", text)))
+    counts["changed_strip_html"] += new != text
+    text = new
+  if config.remove_control_chars:
+    new = _CONTROL.sub("", text)
+    counts["changed_control_chars"] += new != text
+    text = new
+  if config.unicode_form and not unicodedata.is_normalized(config.unicode_form, text):
+    text = unicodedata.normalize(config.unicode_form, text)
+    counts["changed_unicode"] += 1
+  if config.whitespace != "none":
+    new = _EXOTIC_SPACE.sub(" ", text.replace("\r\n", "\n").replace("\r", "\n"))
+    new = _MANY_BLANK_LINES.sub("\n\n\n", _TRAILING_SPACE.sub("\n", new))
+    if config.whitespace == "collapse":
+      new = _RUN_OF_SPACES.sub(" ", new)
+    new = new.strip(" \t\n")
+    new = new + "\n" if new and text.endswith(("\n", "\r")) else new
+    counts["changed_whitespace"] += new != text
+    text = new
+  if len(text) < max(config.min_chars, 1):
+    counts["dropped_empty" if not text.strip() else "dropped_min_chars"] += 1
+    return None
+  return text
+
+
+def content_hash(text: str) -> bytes:
+  """16-byte digest of a cleaned document: the key for de-duplication and the train/val split."""
+  return hashlib.sha256(text.encode("utf-8")).digest()[:16]
+
+
+@dataclasses.dataclass
+class FileDocuments:
+  """Tokenized documents of one input file, in file order."""
+  tokens: np.ndarray   # int32 (total,): documents back to back, each ending in EOS
+  lengths: np.ndarray  # int64 (num_docs,): tokens per document, EOS included
+  hashes: np.ndarray   # uint8 (num_docs, 16): content_hash of each cleaned document
+  counts: collections.Counter
+
+
+def process_file(raw: bytes, kind: str, config: CleaningConfig, doc_split: str = "file",
+                 text_field: str = "text", sp=None, eos_id: int = 1) -> FileDocuments:
+  """Decodes, splits, cleans, hashes and (when `sp` is given) tokenizes one input file.
+
+  Args:
+    raw: the file's bytes.
+    kind: "text" or "jsonl".
+    config: cleaning rules.
+    doc_split: for text files, "file" or "blank_line".
+    text_field: for JSON lines, the field that holds the text.
+    sp: a `sentencepiece.SentencePieceProcessor` or t5x_like Tokenizer; None keeps only hashes.
+    eos_id: appended to each document.
+
+  Returns:
+    FileDocuments; without `sp`, tokens is empty and lengths counts characters (for stats).
+  """
+  counts = collections.Counter()
+  text = decode_utf8(raw)
+  if kind == "jsonl":
+    docs = list(iter_jsonl(text, text_field, counts))
+  else:
+    docs = split_documents(text, doc_split)
+  counts["documents_in"] += len(docs) + counts["dropped_bad_json"] + counts["dropped_missing_field"]
+  kept = [d for d in (clean_text(d, config, counts) for d in docs) if d is not None]
+  hashes = np.frombuffer(b"".join(content_hash(d) for d in kept), np.uint8).reshape(-1, 16)
+  if sp is None:
+    return FileDocuments(np.zeros([0], np.int32), np.array([len(d) for d in kept], np.int64),
+                         hashes, counts)
+  ids = sp.encode(kept) if kept else []
+  counts["documents_tokenized"] += len(kept)
+  lengths = np.array([len(x) + 1 for x in ids], np.int64)
+  flat = np.full([int(lengths.sum())], eos_id, np.int32)
+  is_token = np.ones_like(flat, bool)
+  is_token[np.cumsum(lengths) - 1] = False  # the last slot of each document keeps EOS
+  flat[is_token] = np.fromiter(itertools.chain.from_iterable(ids), np.int32, len(flat) - len(ids))
+  return FileDocuments(flat, lengths, hashes, counts)
+
+
+def cleaned_documents(raw: bytes, kind: str, config: CleaningConfig, doc_split: str = "file",
+                      text_field: str = "text") -> list[str]:
+  """Cleaned texts of one file (for tokenizer training), same rules as `process_file`."""
+  text = decode_utf8(raw)
+  counts = collections.Counter()
+  docs = iter_jsonl(text, text_field, counts) if kind == "jsonl" else split_documents(text, doc_split)
+  return [d for d in (clean_text(d, config, counts) for d in docs) if d is not None]
+
+
+_worker_sp = None
+
+
+def init_worker(model_proto: bytes | None) -> None:
+  """multiprocessing initializer: one single-threaded SentencePiece processor per worker."""
+  global _worker_sp
+  if model_proto is not None:
+    import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+    _worker_sp = spm.SentencePieceProcessor(model_proto=model_proto, num_threads=1)
+
+
+def worker_process_file(args: tuple) -> FileDocuments:
+  """`process_file` on (raw, kind, config, doc_split, text_field, eos_id) with the worker's model."""
+  raw, kind, config, doc_split, text_field, eos_id = args
+  return process_file(raw, kind, config, doc_split, text_field, _worker_sp, eos_id)
+
+
+def worker_cleaned_documents(args: tuple) -> list[str]:
+  raw, kind, config, doc_split, text_field = args
+  return cleaned_documents(raw, kind, config, doc_split, text_field)
