@@ -127,6 +127,8 @@ def run(main: Callable) -> None:
         raise
       logging.error("%s", e, exc_info=True)
       print(f"error: {first_line(e)}", file=sys.stderr, flush=True)
+      if "jax" in sys.modules and sys.modules["jax"].distributed.is_initialized():
+        os._exit(1)  # don't wait at the shutdown barrier for peers that may be stuck in a collective
       sys.exit(1)
 
   app.run(wrapped, argv=rewrite_gin_args(sys.argv))

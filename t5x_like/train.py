@@ -7,18 +7,21 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 from absl import flags  # pylint: disable=g-import-not-at-top
 from absl import logging
 
+from t5x_like import distributed
 from t5x_like import gin_utils
 from t5x_like import model
 from t5x_like import optimizer
 from t5x_like import trainer
 
 gin_utils.define_gin_flags()
+distributed.define_flags()
 
 
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments {argv[1:]}")
   gin_utils.parse_gin_flags()
+  distributed.initialize_from_flags()  # before anything touches devices
   result = trainer.train(gin_utils.configured(trainer.TrainConfig, "trainer"),
                          gin_utils.configured(model.GPTConfig, "model"),
                          gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))

@@ -1,0 +1,91 @@
+"""Multi-process start-up through JAX's own runtime (`jax.distributed`), before anything touches devices."""
+
+import faulthandler
+import os
+import sys
+import threading
+import traceback
+from typing import Optional
+
+from absl import flags
+from absl import logging
+import jax
+
+# Environment variables that mean "a cluster launched us" and that jax.distributed can read by itself.
+_AUTO_DETECT_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
+
+
+def define_flags() -> None:
+  flags.DEFINE_string("coordinator_address", None, "host:port of process 0's coordinator (multi-process runs).")
+  flags.DEFINE_integer("num_processes", None, "Number of processes in the run.")
+  flags.DEFINE_integer("process_id", None, "This process's index, 0..num_processes-1.")
+  flags.DEFINE_enum("multihost", "auto", ["auto", "on", "off"],
+                    "auto: initialise jax.distributed when the flags above are set or a SLURM / Open MPI / "
+                    "Cloud TPU environment is detected; on: always (cluster auto-detection); off: never.")
+  flags.DEFINE_integer("initialization_timeout", 300, "Seconds to wait for every process to connect.")
+  flags.DEFINE_integer("heartbeat_timeout", 100, "Seconds without a heartbeat after which a process is "
+                       "declared dead and every other process exits with an error naming it.")
+  flags.DEFINE_integer("shutdown_timeout", 60, "Seconds a finishing process waits for its peers.")
+
+
+def wanted(mode: str, coordinator_address: Optional[str]) -> bool:
+  if mode == "off":
+    return False
+  if mode == "on" or coordinator_address:
+    return True
+  if os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") >= 1:
+    return True
+  return any(name in os.environ for name in _AUTO_DETECT_ENV if name != "TPU_WORKER_HOSTNAMES") and int(
+      os.environ.get("SLURM_NTASKS", os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))) > 1
+
+
+def initialize(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
+               process_id: Optional[int] = None, *, mode: str = "auto", initialization_timeout: int = 300,
+               heartbeat_timeout: int = 100, shutdown_timeout: int = 60) -> bool:
+  """Joins the multi-process run (or does nothing for a single process). Returns whether it joined.
+
+  With explicit flags every process passes the same coordinator address and process count and its own
+  id. Without them, on SLURM, Open MPI and Cloud TPU pods, JAX reads the cluster's environment.
+  """
+  if not wanted(mode, coordinator_address):
+    return False
+  if coordinator_address and (num_processes is None or process_id is None):
+    raise ValueError("--coordinator_address needs --num_processes and --process_id as well")
+  if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
+    raise ValueError(f"--process_id={process_id} is outside 0..{num_processes - 1} (--num_processes={num_processes})")
+  jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                             initialization_timeout=initialization_timeout,
+                             heartbeat_timeout_seconds=heartbeat_timeout,
+                             shutdown_timeout_seconds=shutdown_timeout)
+  logging.info("process %d of %d; %d local / %d global devices", jax.process_index(), jax.process_count(),
+               jax.local_device_count(), jax.device_count())
+  _exit_hard_on_uncaught_exceptions()
+  return True
+
+
+def initialize_from_flags() -> bool:
+  f = flags.FLAGS
+  return initialize(f.coordinator_address, f.num_processes, f.process_id, mode=f.multihost,
+                    initialization_timeout=f.initialization_timeout, heartbeat_timeout=f.heartbeat_timeout,
+                    shutdown_timeout=f.shutdown_timeout)
+
+
+def _exit_hard_on_uncaught_exceptions() -> None:
+  """A process that dies on an exception must leave at once: a graceful shutdown would wait for peers
+  that are blocked in a collective with it, and hang for shutdown_timeout."""
+  faulthandler.enable()
+
+  def hook(exc_type, exc, tb):
+    traceback.print_exception(exc_type, exc, tb)
+    print(f"error: process {jax.process_index()}: {exc_type.__name__}: {exc}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+  sys.excepthook = hook
+  threading.excepthook = lambda args: hook(args.exc_type, args.exc_value, args.exc_traceback)
+
+
+def exit_now(code: int) -> None:
+  """Ends a multi-process run's process without waiting on peers (after its error was reported)."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
