@@ -1,0 +1,250 @@
+"""Per-device memory of a training layout: sharded state from the rules table, activations from JAX's residuals.
+
+Nothing is allocated: parameter shapes come from an abstract init (`jax.eval_shape`) with their logical
+axis names, mapped to mesh axes by `partitioning.DEFAULT_RULES`; activations are the residuals JAX
+itself saves for the backward pass (`saved_residuals` of the loss under the remat policy), traced once
+per (model, sequence length, policy) with abstract inputs and scaled to the per-device microbatch.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax._src.ad_checkpoint import saved_residuals  # public as jax.ad_checkpoint.print_saved_residuals
+
+from t5x_like import mesh as mesh_lib
+from t5x_like import model as model_lib
+from t5x_like import partitioning
+
+# Calibration: least-squares fit of XLA:CPU's compiled memory analysis over 12 layouts (data, fsdp,
+# tensor, accumulation, every remat policy); tests/test_plan.py checks fresh shapes stay within 15%.
+ACTIVATION_OVERHEAD = 1.3  # XLA's live per-layer activation bytes ÷ JAX's residual bytes (fusion copies)
+LOSS_OVERHEAD = 1.5  # embedding/logits/loss live bytes ÷ their residuals (dlogits, softmax in float32)
+REMAT_WORKING = 0.25  # share of one un-rematerialised layer live while a remat layer is recomputed
+WEIGHT_COPIES = 3.5  # live bytes ÷ bfloat16 weight residuals, which XLA keeps gathered over `fsdp`
+UPDATE_TEMPS = 2.0  # float32 parameter-sized buffers of the backward + AdamW update (grads, updates)
+ACCUMULATOR_TEMPS = 0.75  # extra float32 parameter-sized buffers when NUM_MICROBATCHES > 1
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """A mesh shape plus how a step is cut up and rematerialised."""
+  pipeline: int = 1  # pipeline stages (mesh axis `pipeline`)
+  data: int = 1  # pure data parallelism (mesh axis `data`)
+  fsdp: int = 1  # data parallelism with sharded params/grads/optimizer state (mesh axis `fsdp`)
+  tensor: int = 1  # Megatron tensor parallelism over heads / d_ff / vocab (mesh axis `tensor`)
+  num_microbatches: int = 1  # gradient-accumulation microbatches per step (NUM_MICROBATCHES)
+  remat_policy: str = "none"  # GPTConfig.remat_policy
+  pipeline_microbatches: int = 0  # GPipe microbatches per accumulation microbatch; 0 = 2 × pipeline
+
+  @property
+  def num_devices(self) -> int:
+    return self.pipeline * self.data * self.fsdp * self.tensor
+
+  @property
+  def mesh_shape(self) -> dict:
+    return {name: getattr(self, name) for name in mesh_lib.AXES}
+
+  @property
+  def stage_microbatches(self) -> int:
+    return (self.pipeline_microbatches or 2 * self.pipeline) if self.pipeline > 1 else 1
+
+  def describe(self) -> str:
+    mesh = "×".join(f"{n[0]}{getattr(self, n)}" for n in mesh_lib.AXES)
+    pipe = f" m{self.stage_microbatches}" if self.pipeline > 1 else ""
+    return f"{mesh} k{self.num_microbatches}{pipe} {self.remat_policy}"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+  """Bytes per device."""
+  params: float  # float32 parameters
+  optimizer: float  # AdamW moments (2 × float32)
+  grads: float  # float32 gradients (+ accumulator) and update temporaries
+  activations: float  # residuals kept for the backward pass, all layers and in-flight microbatches
+  working: float  # transient of one layer's (re)computed backward, logits and loss
+  inputs: float  # the batch arrays
+
+  @property
+  def total(self) -> float:
+    return self.params + self.optimizer + self.grads + self.activations + self.working + self.inputs
+
+
+def _shape_only(cfg: model_lib.GPTConfig) -> model_lib.GPTConfig:
+  """The fields that fix parameter shapes (the cache key of the abstract init)."""
+  return dataclasses.replace(cfg, remat_policy="none", num_stages=1, pipeline_microbatches=0,
+                             attention_impl="reference", dtype="bfloat16")
+
+
+@functools.lru_cache(maxsize=32)
+def _boxed_params_cached(cfg: model_lib.GPTConfig):
+  init = lambda: model_lib.GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+  return jax.eval_shape(init)
+
+
+def _boxed_params(cfg: model_lib.GPTConfig):
+  return _boxed_params_cached(_shape_only(cfg))
+
+
+@functools.lru_cache(maxsize=32)
+def _count_params_cached(cfg: model_lib.GPTConfig) -> int:
+  return model_lib.count_params(cfg)
+
+
+def param_count(cfg: model_lib.GPTConfig) -> int:
+  """model.count_params, cached on the shape-fixing fields."""
+  return _count_params_cached(_shape_only(cfg))
+
+
+def _rules_dict(rules) -> dict:
+  return {name: (target if isinstance(target, tuple) else (target,) if target else ()) for name, target in rules}
+
+
+def param_elements_per_device(cfg: model_lib.GPTConfig, layout: Layout,
+                              rules=partitioning.DEFAULT_RULES) -> int:
+  """Parameter elements one device holds under `rules` (uneven shards round up, as XLA pads them)."""
+  mapping, sizes = _rules_dict(rules), layout.mesh_shape
+  total = 0
+  for leaf in jax.tree.leaves(_boxed_params(cfg), is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)):
+    names = leaf.names if isinstance(leaf, nn.LogicallyPartitioned) else (None,) * len(leaf.value.shape)
+    value = leaf.value if isinstance(leaf, nn.LogicallyPartitioned) else leaf
+    elems = 1
+    for dim, name in zip(value.shape, names):
+      ways = math.prod(sizes[a] for a in mapping.get(name, ())) if name else 1
+      elems *= math.ceil(dim / ways)
+    total += elems
+  return total
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualProfile:
+  """Bytes of JAX's saved residuals for ONE sequence, split by how they shard."""
+  layer: float  # per layer, replicated over `tensor` (d_model-wide activations)
+  layer_tensor: float  # per layer, split over `tensor` (heads / d_ff activations)
+  head: float  # embedding, final norm, logits, loss: replicated over `tensor`
+  head_tensor: float  # ... split over `tensor` (vocab-wide)
+  weights: float  # parameter-derived residuals (bfloat16 weight copies), whole model, unsharded
+
+
+def _trace_rows(cfg: model_lib.GPTConfig, seq_len: int) -> int:
+  taken = {cfg.num_layers, cfg.num_heads, cfg.d_model, cfg.d_ff, cfg.vocab_size, seq_len, cfg.head_dim, 3, 1}
+  return next(p for p in (7, 11, 13, 17, 19, 23, 29, 31) if p not in taken)
+
+
+@functools.lru_cache(maxsize=64)
+def residual_profile(cfg: model_lib.GPTConfig, seq_len: int) -> ResidualProfile:
+  """Traces the loss's vjp abstractly (no FLOPs, no memory) and sorts its residuals.
+
+  A residual is per-layer when its leading axes are (LAYERS, rows), tensor-split when one of its
+  trailing axes is the head count, d_ff or the vocabulary, parameter-derived when it has no row axis.
+  """
+  from t5x_like import train_step  # pylint: disable=g-import-not-at-top
+  cfg = dataclasses.replace(cfg, num_stages=1)
+  rows = _trace_rows(cfg, seq_len)
+  params = nn.meta.unbox(_boxed_params(cfg))
+  batch = {k: jax.ShapeDtypeStruct((rows, seq_len), jnp.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
+  batch["weights"] = jax.ShapeDtypeStruct((rows, seq_len), jnp.float32)
+  gpt = model_lib.GPT(cfg)
+  residuals = saved_residuals(lambda p, b: train_step.loss_sums(p, gpt.apply, b)[0], params, batch)
+  split_dims = {cfg.num_heads, cfg.d_ff, cfg.vocab_size}
+  out = dict(layer=0.0, layer_tensor=0.0, head=0.0, head_tensor=0.0, weights=0.0)
+  for aval, source in residuals:
+    if "from the argument" in source:
+      continue  # parameters and batch: counted as state and inputs
+    nbytes = aval.size * aval.dtype.itemsize
+    shape = aval.shape
+    if len(shape) >= 2 and shape[0] == cfg.num_layers and shape[1] == rows:
+      key = "layer_tensor" if split_dims & set(shape[2:]) else "layer"
+      out[key] += nbytes / rows / cfg.num_layers
+    elif rows in shape[:1]:
+      key = "head_tensor" if cfg.vocab_size in shape[1:] else "head"
+      out[key] += nbytes / rows
+    else:
+      out["weights"] += nbytes
+  return ResidualProfile(**out)
+
+
+def estimate(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int, seq_len: int,
+             rules=partitioning.DEFAULT_RULES) -> MemoryEstimate:
+  """Per-device memory of one training step (the peak, at the start of the backward pass).
+
+  Args:
+    cfg: the model (vocab_size filled in); its remat_policy is overridden by the layout's.
+    layout: mesh shape, gradient-accumulation microbatches, remat policy, pipeline microbatches.
+    global_batch: sequences per optimizer step (BATCH_SIZE).
+    seq_len: tokens per sequence (SEQ_LEN).
+  """
+  cfg = dataclasses.replace(cfg, remat_policy=layout.remat_policy)
+  p_dev = param_elements_per_device(cfg, layout, rules)
+  p_total = param_count(cfg)
+  batch_ways = layout.data * layout.fsdp
+  rows = global_batch / (batch_ways * layout.num_microbatches)  # sequences per device per accumulation microbatch
+  t = layout.tensor
+  layers = cfg.num_layers / layout.pipeline
+  in_flight = 1.0
+  if layout.pipeline > 1:  # GPipe keeps every microbatch's stage activations, plus the fill/drain ticks
+    m = layout.stage_microbatches
+    in_flight = (m + layout.pipeline - 1) / m
+  if layout.remat_policy == "offload_dots":  # the saved dots live in host memory: 'full' stays on device
+    cfg = dataclasses.replace(cfg, remat_policy="full")
+  prof = residual_profile(cfg, seq_len)
+  activations = ACTIVATION_OVERHEAD * rows * in_flight * layers * _per_layer(cfg, seq_len, t)
+  p_gathered = param_elements_per_device(cfg, dataclasses.replace(layout, fsdp=1), rules)
+  working = (LOSS_OVERHEAD * rows * (prof.head + prof.head_tensor / t)
+             + WEIGHT_COPIES * prof.weights * p_gathered / p_total)
+  if cfg.remat_policy != "none":  # one layer's forward is rebuilt during its backward
+    working += REMAT_WORKING * rows * _per_layer(dataclasses.replace(cfg, remat_policy="none"), seq_len, t)
+  grads = 4.0 * p_dev * (UPDATE_TEMPS + (ACCUMULATOR_TEMPS if layout.num_microbatches > 1 else 0.0))
+  inputs = 5 * 4.0 * global_batch * seq_len / batch_ways
+  return MemoryEstimate(params=4.0 * p_dev, optimizer=8.0 * p_dev, grads=grads, activations=activations,
+                        working=working, inputs=inputs)
+
+
+def _per_layer(cfg: model_lib.GPTConfig, seq_len: int, tensor: int) -> float:
+  prof = residual_profile(cfg, seq_len)
+  return prof.layer + prof.layer_tensor / tensor
+
+
+def compile_train_step(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int, seq_len: int,
+                       devices=None, rules=partitioning.DEFAULT_RULES):
+  """AOT-compiles the real train step (trainer's shardings and donation) for abstract inputs.
+
+  Needs `layout.num_devices` devices (on CPU: `jax_num_cpu_devices` / XLA_FLAGS set before jax starts).
+  Returns the `jax.stages.Compiled`; nothing is allocated.
+  """
+  from t5x_like import optimizer, train_state, train_step  # pylint: disable=g-import-not-at-top
+  devices = list(devices if devices is not None else jax.devices())[:layout.num_devices]
+  if len(devices) < layout.num_devices:
+    raise ValueError(f"layout {layout.describe()} needs {layout.num_devices} devices, {len(devices)} available")
+  mesh = mesh_lib.create_mesh(layout.mesh_shape, devices)
+  cfg = dataclasses.replace(cfg, remat_policy=layout.remat_policy, num_stages=layout.pipeline,
+                            pipeline_microbatches=layout.pipeline_microbatches)
+  cfg.validate()
+  model = model_lib.GPT(cfg)
+  opt_config = optimizer.OptimizerConfig()
+  tx = optimizer.make_optimizer(opt_config, 1000)
+  lr_fn = optimizer.learning_rate_schedule(opt_config, 1000)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    abstract_state, state_shardings = train_state.state_shardings(model, tx, mesh, rules)
+    batch_sharding = partitioning.batch_sharding(mesh, rules)
+    keys = ("inputs", "targets", "segment_ids", "positions", "weights")
+    batch = {k: jax.ShapeDtypeStruct((global_batch, seq_len), jnp.float32 if k == "weights" else jnp.int32,
+                                     sharding=batch_sharding) for k in keys}
+    step = functools.partial(train_step.train_step, apply_fn=model.apply, tx=tx, lr_fn=lr_fn,
+                             num_microbatches=layout.num_microbatches)
+    jitted = jax.jit(step, in_shardings=(state_shardings, {k: batch_sharding for k in keys}),
+                     out_shardings=(state_shardings, None), donate_argnums=(0,))
+    return jitted.lower(abstract_state, batch).compile()
+
+
+def xla_bytes_per_device(memory_analysis) -> float:
+  """Peak bytes per device from `compiled.memory_analysis()`: arguments + outputs − aliased + temporaries."""
+  m = memory_analysis
+  return float(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
+
+
+def gib(nbytes: Optional[float]) -> str:
+  return "-" if nbytes is None else f"{nbytes / 2**30:.2f}"
