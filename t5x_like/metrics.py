@@ -1,16 +1,20 @@
-"""Metric sinks: clu writers (TensorBoard + log) and MODEL_DIR/metrics.jsonl; host memory and timing helpers."""
+"""Metric sinks (clu writers + MODEL_DIR/metrics.jsonl) and the log-interval meter that turns per-step
+device metrics into loss, throughput, MFU, time split, memory and queue-depth scalars."""
 
 import json
+import math
 import os
 import resource
 import time
 from typing import Mapping, Optional
 
-from absl import logging
 from clu import metric_writers
 import jax
 import numpy as np
 import tensorflow as tf
+
+from t5x_like import flops
+from t5x_like import input_pipeline
 
 
 class MetricsLogger:
@@ -55,35 +59,156 @@ def read_metrics(model_dir: str) -> list:
 
 
 def device_memory() -> dict:
-  """Bytes in use / peak on the first local device, or host RSS where the backend has no memory_stats."""
-  stats = jax.local_devices()[0].memory_stats() or {}
-  if "bytes_in_use" in stats:
-    return {"memory/device_bytes_in_use": stats["bytes_in_use"],
-            "memory/device_peak_bytes": stats.get("peak_bytes_in_use", stats["bytes_in_use"])}
-  rss_peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-  return {"memory/host_rss_peak_bytes": rss_peak_kb * 1024}
+  """Bytes in use and peak, the largest over this process's devices (`memory_stats`), plus host RSS.
+
+  Backends without `memory_stats` (CPU) report only the host figures.
+  """
+  out = {}
+  stats = [d.memory_stats() or {} for d in jax.local_devices()]
+  if any("bytes_in_use" in s for s in stats):
+    out["memory/device_bytes_in_use"] = max(s.get("bytes_in_use", 0) for s in stats)
+    out["memory/device_peak_bytes"] = max(s.get("peak_bytes_in_use", s.get("bytes_in_use", 0)) for s in stats)
+    limits = [s["bytes_limit"] for s in stats if "bytes_limit" in s]
+    if limits:
+      out["memory/device_bytes_limit"] = min(limits)
+  out.update(host_memory())
+  return out
 
 
-class Stopwatch:
-  """Accumulates named durations between log steps."""
-
-  def __init__(self):
-    self.totals = {}
-    self._start = time.perf_counter()
-
-  def add(self, name: str, seconds: float) -> None:
-    self.totals[name] = self.totals.get(name, 0.0) + seconds
-
-  def elapsed(self) -> float:
-    return time.perf_counter() - self._start
-
-  def reset(self) -> None:
-    self.totals = {}
-    self._start = time.perf_counter()
+def host_memory() -> dict:
+  """This process's resident set size now (Linux /proc) and its peak (getrusage)."""
+  out = {"memory/host_rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+  try:
+    with open("/proc/self/statm") as f:
+      out["memory/host_rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except (OSError, ValueError, IndexError):
+    pass
+  return out
 
 
-def progress_line(step: int, total: int, loss: float, tokens_per_sec: float, mfu: float,
-                  seconds_per_step: float) -> str:
+def mean_step_metrics(records: list) -> dict:
+  """Averages per-step metrics (fetched to host) over a log interval.
+
+  loss is weighted by each step's loss tokens (Σ weight), so the interval loss is the mean over all
+  its tokens; grad_norm is the mean over steps; param_norm and lr are the last step's. A single step
+  keeps its loss exactly as the device computed it.
+  """
+  tokens = np.array([r["tokens"] for r in records], np.float64)
+  losses = np.array([r["loss"] for r in records], np.float64)
+  out = {
+      "loss": float(np.sum(tokens * losses) / max(tokens.sum(), 1.0)),
+      "grad_norm": float(np.mean([r["grad_norm"] for r in records])),
+      "param_norm": float(records[-1]["param_norm"]),
+      "lr": float(records[-1]["lr"]),
+      "loss_tokens": float(tokens.sum()),
+      "nonfinite_steps": int(sum(int(r["nonfinite"]) for r in records)),
+  }
+  if len(records) == 1:
+    out["loss"] = float(records[0]["loss"])
+  out["perplexity"] = perplexity(out["loss"])
+  return out
+
+
+def perplexity(loss: float) -> float:
+  """exp(loss); inf above exp(709) or for a non-finite loss."""
+  return math.exp(loss) if math.isfinite(loss) and loss < 709.0 else float("inf")
+
+
+class IntervalMeter:
+  """Per-step device metrics kept on device until a log step, then averaged with throughput and timing.
+
+  The loop calls `begin_step()` before fetching a batch, `data_ready()` once the global batch exists,
+  `end_step(metrics)` after dispatching the step, and `summary()` at log steps (the only host sync).
+  Time outside begin/end (evaluation, checkpointing, profiling set-up) is not counted. The first step
+  of a launch (`compiling=True`) is blocked on and reported as compile_seconds; its time and tokens
+  are left out of throughput.
+
+  Args:
+    tokens_per_step: global tokens processed per optimizer step (BATCH_SIZE × SEQ_LEN).
+    num_devices: devices the step runs on (for per-device throughput and MFU).
+    flops_per_token: model FLOPs per trained token (flops.train_flops_per_token).
+    peak_flops_per_device: peak FLOP/s of one device (hardware.peak_flops_per_device).
+  """
+
+  def __init__(self, tokens_per_step: int, num_devices: int, flops_per_token: float,
+               peak_flops_per_device: float):
+    self.tokens_per_step = tokens_per_step
+    self.num_devices = num_devices
+    self.flops_per_token = flops_per_token
+    self.peak_flops_per_device = peak_flops_per_device
+    self.nonfinite_total = 0
+    self._compile_seconds = None
+    self._reset()
+
+  def _reset(self):
+    self._records = []
+    self._timed_steps = 0
+    self._step_seconds = 0.0
+    self._data_seconds = 0.0
+
+  def begin_step(self) -> None:
+    self._t0 = time.perf_counter()
+
+  def data_ready(self) -> None:
+    self._t_data = time.perf_counter() - self._t0
+
+  def end_step(self, step_metrics, compiling: bool = False, sync: bool = False) -> None:
+    """Records a dispatched step; `sync` waits for it inside the timed region (before a host-side
+    pause such as stopping a profiler trace, so the wait is not lost from the interval)."""
+    if compiling:
+      jax.block_until_ready(step_metrics)
+      self._compile_seconds = time.perf_counter() - self._t0 - self._t_data
+    else:
+      if sync:
+        jax.block_until_ready(step_metrics)
+      self._step_seconds += time.perf_counter() - self._t0
+      self._data_seconds += self._t_data
+      self._timed_steps += 1
+    self._records.append(step_metrics)
+
+  def pending(self) -> int:
+    return len(self._records)
+
+  def summary(self, data_iterator=None) -> dict:
+    """Fetches the interval's metrics (one device→host transfer) and returns its scalars; resets.
+
+    Adds device/host memory and, given the training tf.data iterator, the batches waiting in its
+    prefetch buffer (data_queue_depth).
+    """
+    t0 = time.perf_counter()
+    records = jax.device_get(self._records)
+    self._step_seconds += time.perf_counter() - t0  # waiting here is device time of the interval's steps
+    out = mean_step_metrics(records)
+    self.nonfinite_total += out["nonfinite_steps"]
+    out["nonfinite_steps_total"] = self.nonfinite_total
+    if self._timed_steps:
+      seconds = self._step_seconds / self._timed_steps
+      data = self._data_seconds / self._timed_steps
+      tokens_per_sec = self.tokens_per_step / seconds
+      out.update({
+          "step_seconds": seconds,
+          "data_wait_seconds": data,
+          "compute_seconds": seconds - data,
+          "data_wait_fraction": data / seconds,
+          "tokens_per_sec": tokens_per_sec,
+          "tokens_per_sec_per_device": tokens_per_sec / self.num_devices,
+          "mfu": flops.mfu(tokens_per_sec, self.flops_per_token, self.num_devices, self.peak_flops_per_device),
+      })
+    if self._compile_seconds is not None:
+      out["compile_seconds"], self._compile_seconds = self._compile_seconds, None
+    depth = input_pipeline.prefetch_depth(data_iterator) if data_iterator is not None else None
+    if depth is not None:
+      out["data_queue_depth"] = depth
+    out.update(device_memory())
+    self._reset()
+    return out
+
+
+def progress_line(step: int, total: int, loss: float, tokens_per_sec: Optional[float],
+                  mfu: Optional[float], seconds_per_step: Optional[float]) -> str:
+  """'step 40/1000  loss 3.2100  12,345 tok/s  MFU 41.0%  ETA 0h05m12s' (— while nothing is timed yet)."""
+  if tokens_per_sec is None or seconds_per_step is None:
+    return f"step {step}/{total}  loss {loss:.4f}  (first step: compiling)"
   eta = max(0, total - step) * seconds_per_step
   return (f"step {step}/{total}  loss {loss:.4f}  {tokens_per_sec:,.0f} tok/s  MFU {100 * mfu:.1f}%  "
           f"ETA {int(eta // 3600)}h{int(eta % 3600 // 60):02d}m{int(eta % 60):02d}s")

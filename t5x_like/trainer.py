@@ -3,7 +3,6 @@
 import dataclasses
 import functools
 import math
-import time
 from typing import Mapping, Optional
 
 from absl import logging
@@ -11,7 +10,6 @@ import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
-import numpy as np
 import tensorflow as tf
 
 from t5x_like import checkpoints
@@ -22,8 +20,10 @@ from t5x_like import input_pipeline
 from t5x_like import mesh as mesh_lib
 from t5x_like import metrics as metrics_lib
 from t5x_like import model as model_lib
+from t5x_like import monitoring
 from t5x_like import optimizer as optimizer_lib
 from t5x_like import partitioning
+from t5x_like import profiling
 from t5x_like import train_state as train_state_lib
 from t5x_like import train_step as train_step_lib
 
@@ -47,6 +47,9 @@ class TrainConfig:
   keep_checkpoints: int = 3  # newest checkpoints kept
   shuffle_buffer: int = 1024  # rows in the training shuffle buffer
   axis_rules: Optional[tuple] = None  # logical→mesh rules; None = partitioning.DEFAULT_RULES
+  prometheus_port: int = 0  # serve the logged figures at http://prometheus_host:PORT/metrics; 0 = off
+  prometheus_host: str = "127.0.0.1"  # address the Prometheus endpoint binds; '0.0.0.0' exposes it
+  profile_steps: Optional[tuple] = None  # (first, last): jax.profiler trace of these steps to MODEL_DIR/profile
 
 
 def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
@@ -123,24 +126,33 @@ class Experiment:
     return jax.jit(functools.partial(train_step_lib.eval_step, apply_fn=self.model.apply),
                    in_shardings=(self.state_shardings.params, self.batch_sharding))
 
-  def num_eval_batches(self) -> int:
+  def num_eval_batches(self, split: str = "validation") -> Optional[int]:
+    """config.eval_batches, else None (one pass over the split) on one process; several processes
+    need the same count everywhere, so they use the split's tokens over the tokens per batch."""
     if self.config.eval_batches:
       return self.config.eval_batches
-    tokens = self.manifest["splits"]["validation"]["num_tokens"]
-    return max(1, tokens // (self.config.batch_size * self.config.seq_len))
+    if jax.process_count() == 1:
+      return None
+    tokens = self.manifest["splits"][split]["num_tokens"]
+    return max(1, tokens // (self.config.batch_size * (self.config.seq_len + 1)))
 
-  def evaluate(self, params, eval_step=None) -> dict:
-    """Token-weighted loss over the validation split (same batches every time), and its perplexity."""
+  def evaluate(self, params, eval_step=None, split: str = "validation") -> dict:
+    """Token-weighted loss over `split` (the whole split, or config.eval_batches batches; the same
+    batches every time), and its perplexity exp(loss)."""
     eval_step = eval_step or self.jit_eval_step()
-    iterator = iter(self.dataset("validation", shuffle=False, repeat=True))
-    loss_sum, weight_sum = 0.0, 0.0
+    num_batches = self.num_eval_batches(split)
+    batches = self.dataset(split, shuffle=False, repeat=num_batches is not None)
+    if num_batches is not None:
+      batches = batches.take(num_batches)
+    loss_sum, weight_sum, count = 0.0, 0.0, 0
     with self.context():
-      for _ in range(self.num_eval_batches()):
-        batch = global_batch.to_global(global_batch.tf_to_numpy(next(iterator)), self.batch_sharding)
+      for tf_batch in batches:  # padding rows of the last batch carry weight 0
+        batch = global_batch.to_global(global_batch.tf_to_numpy(tf_batch), self.batch_sharding)
         loss, weight = eval_step(params, batch)
-        loss_sum, weight_sum = loss_sum + float(loss), weight_sum + float(weight)
+        loss_sum, weight_sum, count = loss_sum + float(loss), weight_sum + float(weight), count + 1
     loss = loss_sum / max(weight_sum, 1.0)
-    return {"eval/loss": loss, "eval/perplexity": float(np.exp(loss)), "eval/tokens": weight_sum}
+    return {"eval/loss": loss, "eval/perplexity": metrics_lib.perplexity(loss), "eval/tokens": weight_sum,
+            "eval/batches": count}
 
 
 class _Context:
@@ -157,23 +169,6 @@ class _Context:
   def __exit__(self, *exc):
     while self._stack:
       self._stack.pop().__exit__(*exc)
-
-
-def _mean_metrics(records: list) -> dict:
-  """Averages per-step device metrics over a log interval; loss weighted by tokens."""
-  fetched = jax.device_get(records)
-  tokens = np.array([r["tokens"] for r in fetched], np.float64)
-  out = {
-      "loss": float(np.sum(tokens * np.array([r["loss"] for r in fetched], np.float64)) / max(tokens.sum(), 1)),
-      "grad_norm": float(np.mean([r["grad_norm"] for r in fetched])),
-      "param_norm": float(fetched[-1]["param_norm"]),
-      "lr": float(fetched[-1]["lr"]),
-      "nonfinite_steps": int(sum(int(r["nonfinite"]) for r in fetched)),
-  }
-  out["perplexity"] = float(np.exp(min(out["loss"], 50.0)))
-  if len(fetched) == 1:  # one step: keep the loss exactly as the device computed it
-    out["loss"] = float(fetched[0]["loss"])
-  return out, float(tokens.sum())
 
 
 def train(config: TrainConfig, model_config: model_lib.GPTConfig,
@@ -206,60 +201,53 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
   n_params = sum(int(x.size) for x in jax.tree.leaves(state.params))
   flops_per_token = flops.train_flops_per_token(exp.model_config, config.seq_len)
   peak, peak_source = hardware.peak_flops_per_device()
-  logging.info("model: %s parameters; %.3g train FLOPs/token; peak %.3g FLOP/s/device (%s); mesh %s",
+  logging.info("model: %s parameters; %.3g train FLOPs/token (PaLM 6N + 12LTd, causal attention not "
+               "halved); peak %.3g FLOP/s/device (%s); mesh %s",
                f"{n_params:,}", flops_per_token, peak, peak_source, dict(exp.mesh.shape))
   metadata = {"mesh_shape": dict(exp.mesh.shape), "seq_len": config.seq_len,
               "batch_size": config.batch_size, "num_params": n_params}
 
   step_fn = exp.jit_train_step()
   eval_fn = exp.jit_eval_step()
-  watch = metrics_lib.Stopwatch()
-  records, last, compile_seconds = [], {}, None
+  meter = metrics_lib.IntervalMeter(config.batch_size * config.seq_len, jax.device_count(),
+                                    flops_per_token, peak)
+  exporter = monitoring.start(config.prometheus_port, config.prometheus_host, is_primary)
+  profiler = profiling.StepProfiler(config.model_dir, config.profile_steps, is_primary)
+  exporter.update({}, step=start, train_steps=config.train_steps)
+  last = {}
   step = start
   with exp.context():
     while step < config.train_steps:
-      t0 = time.perf_counter()
+      profiler.before_step(step + 1)
+      meter.begin_step()
       batch = global_batch.to_global(global_batch.tf_to_numpy(next(train_iter)), exp.batch_sharding)
-      watch.add("data_wait", time.perf_counter() - t0)
-      if step == start:
-        t_compile = time.perf_counter()
-        state, step_metrics = step_fn(state, batch)
-        jax.block_until_ready(step_metrics)
-        compile_seconds = time.perf_counter() - t_compile
-      else:
-        state, step_metrics = step_fn(state, batch)
+      meter.data_ready()
+      state, step_metrics = step_fn(state, batch)
+      meter.end_step(step_metrics, compiling=step == start, sync=profiler.stops_after(step + 1))
       step += 1
-      records.append(step_metrics)
+      profiler.after_step(step, step_metrics)
       if step % config.log_every == 0 or step == config.train_steps:
-        scalars, tokens = _mean_metrics(records)
-        elapsed = watch.elapsed()
-        scalars["tokens_per_sec"] = tokens / elapsed
-        scalars["tokens_per_sec_per_device"] = scalars["tokens_per_sec"] / jax.device_count()
-        scalars["mfu"] = flops.mfu(scalars["tokens_per_sec"], flops_per_token, jax.device_count(), peak)
-        scalars["step_seconds"] = elapsed / len(records)
-        scalars["data_wait_seconds"] = watch.totals.get("data_wait", 0.0) / len(records)
-        scalars.update(metrics_lib.device_memory())
-        if compile_seconds is not None:  # first step of this launch: trace + compile + run
-          scalars["compile_seconds"], compile_seconds = compile_seconds, None
+        scalars = meter.summary(train_iter)  # the only device→host fetch of step metrics
         logger.write(step, scalars)
+        exporter.update(scalars, step=step, train_steps=config.train_steps)
         logging.info("%s", metrics_lib.progress_line(step, config.train_steps, scalars["loss"],
-                                                     scalars["tokens_per_sec"], scalars["mfu"],
-                                                     scalars["step_seconds"]))
+                                                     scalars.get("tokens_per_sec"), scalars.get("mfu"),
+                                                     scalars.get("step_seconds")))
         last.update(scalars)
-        records = []
-        watch.reset()
       if (config.eval_every and step % config.eval_every == 0) or step == config.train_steps:
         result = exp.evaluate(state.params, eval_fn)
         logger.write(step, result)
+        exporter.update(result, step=step, train_steps=config.train_steps)
         logging.info("step %d: eval loss %.4f perplexity %.2f", step, result["eval/loss"],
                      result["eval/perplexity"])
         last.update(result)
-        watch.reset()
       if step % config.checkpoint_every == 0 or step == config.train_steps:
         checkpoints.save(manager, step, state, train_iter, {**metadata, "step": step})
+  profiler.stop(state)
   manager.wait_until_finished()
   manager.close()
   logger.close()
+  exporter.close()
   if is_primary:
     with tf.io.gfile.GFile(f"{config.model_dir}/config.gin", "w") as f:
       f.write(gin.operative_config_str())
