@@ -291,12 +291,23 @@ def write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed, num
         for i in range(n)])
   tok.save(shard_writer.join(output_dir, shard_writer.TOKENIZER))
   shard_writer.remove_stale(output_dir, [s["path"] for sp in splits.values() for s in sp["shards"]])
-  report = {
+  report = make_report(counts, splits, len(docs))
+  stats = {k: v for k, v in report.items() if k not in ("documents_tokenized", "cache_hits")}
+  manifest = shard_writer.make_manifest(tok, splits, pack_length,
+                                        dict(extra, seed=seed, stats=stats))
+  shard_writer.write_json(manifest_path, manifest)
+  return report
+
+
+def make_report(counts: collections.Counter, splits: dict, documents_out: int) -> dict:
+  """The counts every runner reports: documents in/out, tokens, dropped/changed by rule."""
+  keys = ("num_documents", "num_tokens", "num_records")
+  return {
       "documents_in": counts["documents_in"],
-      "documents_out": len(docs),
-      "tokens": sum(len(d) for d in docs),
-      "train": {k: splits["train"][k] for k in ("num_documents", "num_tokens", "num_records")},
-      "validation": {k: splits["validation"][k] for k in ("num_documents", "num_tokens", "num_records")},
+      "documents_out": documents_out,
+      "tokens": sum(s["num_tokens"] for s in splits.values()),
+      "train": {k: splits["train"][k] for k in keys},
+      "validation": {k: splits["validation"][k] for k in keys},
       "dropped": _by_prefix(counts, "dropped_"),
       "changed": _by_prefix(counts, "changed_"),
       "invalid_utf8_bytes": counts["invalid_utf8_bytes"],
@@ -304,11 +315,6 @@ def write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed, num
       "documents_tokenized": counts["documents_tokenized"],
       "cache_hits": counts["cache_hits"],
   }
-  stats = {k: v for k, v in report.items() if k not in ("documents_tokenized", "cache_hits")}
-  manifest = shard_writer.make_manifest(tok, splits, pack_length,
-                                        dict(extra, seed=seed, stats=stats))
-  shard_writer.write_json(manifest_path, manifest)
-  return report
 
 
 def format_report(report: dict) -> str:
@@ -350,6 +356,7 @@ def _define_flags():
   f.DEFINE_integer("min_chars", 1, "Drop documents shorter than this after cleaning.")
   f.DEFINE_bool("dedup", True, "Drop exact duplicate documents.")
   f.DEFINE_string("runner", "local", "local, or a Beam runner: DirectRunner, DataflowRunner, ...")
+  f.DEFINE_multi_string("beam_args", None, "Beam pipeline options, e.g. --beam_args=--project=p.")
   return flags.FLAGS
 
 
@@ -375,7 +382,8 @@ def main(argv) -> None:
       report = preprocess(fl.input, fl.output_dir, **kwargs)
     else:
       from t5x_like import beam_preprocess  # pylint: disable=g-import-not-at-top
-      report = beam_preprocess.run(fl.input, fl.output_dir, runner=fl.runner, **kwargs)
+      report = beam_preprocess.run(fl.input, fl.output_dir, runner=fl.runner,
+                                   pipeline_args=fl.beam_args or (), **kwargs)
   except (ValueError, FileNotFoundError, OSError, tf.errors.OpError) as e:
     reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise SystemExit(f"preprocess: error: {reason}") from None
