@@ -184,7 +184,7 @@ class GPT(nn.Module):
     new_cache = None
     if cache is not None:
       x, new_cache = self._decode_blocks(blocks, x, segment_ids, cache, cache_index)
-    elif cfg.num_stages > 1:
+    elif cfg.num_stages > 1 and not self.is_initializing():  # init only needs shapes: run sequentially
       from t5x_like import pipeline  # pylint: disable=g-import-not-at-top
       x = pipeline.pipeline_blocks(cfg, blocks, x, segment_ids)
     else:
