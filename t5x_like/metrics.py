@@ -32,7 +32,8 @@ class MetricsLogger:
 
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
     clean = {key: _to_python(value) for key, value in scalars.items()}
-    self._writer.write_scalars(step, {k: v for k, v in clean.items() if v is not None})
+    self._writer.write_scalars(step, {k: float(v) if isinstance(v, str) else v for k, v in clean.items()
+                                      if isinstance(v, (int, float)) or v in ("nan", "inf", "-inf")})
     if self.is_primary:
       with tf.io.gfile.GFile(self._path, "a") as f:
         f.write(json.dumps({"step": int(step), **clean}) + "\n")

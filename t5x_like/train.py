@@ -1,13 +1,16 @@
 """`python -m t5x_like.train --gin_file=... [--gin.NAME=VALUE ...]`: flags → gin → trainer.train()."""
 
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import flags  # pylint: disable=g-import-not-at-top
 from absl import logging
+import jax
 
 from t5x_like import distributed
+from t5x_like import fault_tolerance
 from t5x_like import gin_utils
 from t5x_like import model
 from t5x_like import optimizer
@@ -22,9 +25,15 @@ def main(argv):
     raise ValueError(f"unexpected arguments {argv[1:]}")
   gin_utils.parse_gin_flags()
   distributed.initialize_from_flags()  # before anything touches devices
-  result = trainer.train(gin_utils.configured(trainer.TrainConfig, "trainer"),
-                         gin_utils.configured(model.GPTConfig, "model"),
-                         gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))
+  try:
+    result = trainer.train(gin_utils.configured(trainer.TrainConfig, "trainer"),
+                           gin_utils.configured(model.GPTConfig, "model"),
+                           gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))
+  except fault_tolerance.RunStopped as e:  # preempted 75, save failed 74, non-finite 65
+    print(f"stopped: {e}", file=sys.stderr, flush=True)
+    if jax.process_count() > 1:
+      distributed.exit_now(e.exit_code)
+    sys.exit(e.exit_code)
   logging.info("done: %s", {k: v for k, v in result.items() if k.startswith(("loss", "eval/"))})
 
 

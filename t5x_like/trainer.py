@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import tensorflow as tf
 
 from t5x_like import checkpoints
+from t5x_like import fault_tolerance
 from t5x_like import flops
 from t5x_like import global_batch
 from t5x_like import hardware
@@ -45,6 +46,14 @@ class TrainConfig:
   eval_batches: int = 0  # validation batches per pass; 0 = the whole validation split
   checkpoint_every: int = 200  # steps between checkpoints; one is always written at the end
   keep_checkpoints: int = 3  # newest checkpoints kept
+  keep_period: int = 0  # also keep every checkpoint whose step is a multiple of this; 0 = none
+  async_checkpoints: bool = True  # write checkpoints in the background while training continues
+  max_failed_saves: int = 2  # consecutive failed checkpoint saves tolerated; one more stops the run (exit 74)
+  nonfinite_patience: int = 5  # consecutive non-finite steps (each skipped) that trigger nonfinite_action; 0 = never
+  nonfinite_action: str = "stop"  # 'stop' (exit 65) or 'rollback' (to the last checkpoint, skipping the batches since)
+  warm_start_from: str = ""  # another run's MODEL_DIR or checkpoints/<step>: initial params when MODEL_DIR has none
+  warm_start_optimizer: bool = False  # also take its optimizer state (same optimizer); False = fresh, step 0
+  debug_nan_steps: tuple = ()  # tests only: steps (1-based) whose batch gets NaN loss weights
   shuffle_buffer: int = 1024  # rows in the training shuffle buffer
   axis_rules: Optional[tuple] = None  # logical→mesh rules; None = partitioning.DEFAULT_RULES
   prometheus_port: int = 0  # serve the logged figures at http://prometheus_host:PORT/metrics; 0 = off
@@ -182,18 +191,23 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
     raise ValueError("MODEL_DIR is not set: pass --gin.MODEL_DIR=\"'/path/to/run'\"")
   exp = Experiment(config, model_config, optimizer_config)
   is_primary = jax.process_index() == 0
+  fault_tolerance.check_writable(config.model_dir)
   tf.io.gfile.makedirs(config.model_dir)
   if is_primary:
     with tf.io.gfile.GFile(f"{config.model_dir}/config.gin", "w") as f:
       f.write(gin.operative_config_str())
   logger = metrics_lib.MetricsLogger(config.model_dir, is_primary)
-  manager = checkpoints.make_manager(config.model_dir, max_to_keep=config.keep_checkpoints)
+  manager = checkpoints.make_manager(config.model_dir, max_to_keep=config.keep_checkpoints,
+                                     keep_period=config.keep_period, async_save=config.async_checkpoints)
   train_iter = iter(exp.dataset("train", shuffle=True, repeat=True))
 
-  restored_step, state, _ = checkpoints.restore_latest(
-      manager, checkpoints.abstract_with_shardings(exp.abstract_state, exp.state_shardings), train_iter)
+  abstract = checkpoints.abstract_with_shardings(exp.abstract_state, exp.state_shardings)
+  restored_step, state, saved_metadata = checkpoints.restore_latest(manager, abstract, train_iter,
+                                                                    quarantine=True)
   if state is None:
     state = exp.init_state()
+    if config.warm_start_from:
+      state = fault_tolerance.warm_start(state, config.warm_start_from, abstract, config.warm_start_optimizer)
     start = 0
   else:
     start = int(restored_step)
@@ -204,8 +218,13 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
   logging.info("model: %s parameters; %.3g train FLOPs/token (PaLM 6N + 12LTd, causal attention not "
                "halved); peak %.3g FLOP/s/device (%s); mesh %s",
                f"{n_params:,}", flops_per_token, peak, peak_source, dict(exp.mesh.shape))
-  metadata = {"mesh_shape": dict(exp.mesh.shape), "seq_len": config.seq_len,
-              "batch_size": config.batch_size, "num_params": n_params}
+  metadata = checkpoints.run_metadata(mesh_shape=exp.mesh.shape, data_dir=config.data_dir,
+                                      gin_config=gin.operative_config_str(), seq_len=config.seq_len,
+                                      batch_size=config.batch_size, num_params=n_params)
+  checkpoints.check_resume_metadata(saved_metadata, metadata)
+  guard = fault_tolerance.RunGuard(manager, abstract, nonfinite_patience=config.nonfinite_patience,
+                                   nonfinite_action=config.nonfinite_action,
+                                   max_failed_saves=config.max_failed_saves)
 
   step_fn = exp.jit_train_step()
   eval_fn = exp.jit_eval_step()
@@ -216,11 +235,13 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
   exporter.update({}, step=start, train_steps=config.train_steps)
   last = {}
   step = start
-  with exp.context():
+  with exp.context(), guard:
     while step < config.train_steps:
       profiler.before_step(step + 1)
       meter.begin_step()
-      batch = global_batch.to_global(global_batch.tf_to_numpy(next(train_iter)), exp.batch_sharding)
+      batch = fault_tolerance.poison_batch(global_batch.tf_to_numpy(next(train_iter)), step + 1,
+                                           config.debug_nan_steps)
+      batch = global_batch.to_global(batch, exp.batch_sharding)
       meter.data_ready()
       state, step_metrics = step_fn(state, batch)
       meter.end_step(step_metrics, compiling=step == start, sync=profiler.stops_after(step + 1))
@@ -241,14 +262,21 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
         logging.info("step %d: eval loss %.4f perplexity %.2f", step, result["eval/loss"],
                      result["eval/perplexity"])
         last.update(result)
-      if step % config.checkpoint_every == 0 or step == config.train_steps:
-        checkpoints.save(manager, step, state, train_iter, {**metadata, "step": step})
+      if guard.after_step(step, step_metrics):  # non-finite streak under nonfinite_action='rollback'
+        step, state = guard.rollback()
+        continue
+      preempted = guard.preempted(step)  # SIGTERM/SIGINT: checkpoint now, then exit 75
+      if step % config.checkpoint_every == 0 or step == config.train_steps or preempted:
+        guard.save(step, state, train_iter, {**metadata, "step": step})
+      if preempted:
+        break
+    guard.finish(step)  # waits for the last save; the final one must have committed
   profiler.stop(state)
-  manager.wait_until_finished()
   manager.close()
   logger.close()
   exporter.close()
   if is_primary:
     with tf.io.gfile.GFile(f"{config.model_dir}/config.gin", "w") as f:
       f.write(gin.operative_config_str())
+  guard.raise_if_preempted(step, config.train_steps)
   return last

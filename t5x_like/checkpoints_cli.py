@@ -1,0 +1,107 @@
+"""`python -m t5x_like.checkpoints list|digest|inspect MODEL_DIR [--step N]`: look into a run's checkpoints."""
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+
+from t5x_like import checkpoints
+
+USAGE = """python -m t5x_like.checkpoints COMMAND MODEL_DIR [--step N]
+
+commands:
+  list      committed steps (with their recorded step, mesh and code version), unfinished saves,
+            and steps moved aside as unreadable
+  digest    SHA-256 over all parameter bytes (names, dtypes, shapes, bytes; sorted by name; independent
+            of the sharding); the digest is the last line
+  inspect   every saved array of the train state: path, shape, dtype, saved sharding; then the metadata
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="python -m t5x_like.checkpoints", usage=USAGE,
+                                   description=__doc__.split(":", 1)[1].strip())
+  parser.add_argument("command", choices=("list", "digest", "inspect"))
+  parser.add_argument("model_dir", help="run directory (holds checkpoints/)")
+  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+  return parser
+
+
+def cmd_list(model_dir: str, step=None) -> None:
+  directory = checkpoints.checkpoint_dir(model_dir)
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"no checkpoints/ directory in MODEL_DIR '{model_dir}'")
+  steps = checkpoints.committed_steps(model_dir)
+  for s in steps if step is None else [s for s in steps if s == step]:
+    path = os.path.join(directory, str(s))
+    try:
+      meta = checkpoints.read_metadata(path)
+      info = (f"mesh={meta.get('mesh_shape')} code={meta.get('code_version', '?')}"
+              if meta else "no metadata")
+    except Exception as e:  # pylint: disable=broad-except  # a corrupt item: say so, keep listing
+      info = f"UNREADABLE metadata ({type(e).__name__})"
+    print(f"step {s}: {info}")
+  for name in sorted(os.listdir(directory)):
+    if ".orbax-checkpoint-tmp" in name:
+      print(f"unfinished save (ignored, removed on the next run): {name}")
+  corrupt = os.path.join(model_dir, checkpoints.CORRUPT_DIR)
+  for name in sorted(os.listdir(corrupt)) if os.path.isdir(corrupt) else []:
+    print(f"moved aside as unreadable: {os.path.join(corrupt, name)}")
+  print(f"{len(steps)} committed step(s): {steps}")
+
+
+def cmd_digest(model_dir: str, step=None) -> None:
+  found, params = checkpoints.restore_params(model_dir, step)
+  n = sum(int(x.size) for x in jax.tree.leaves(params))
+  print(f"step {found}: {n:,} parameters")
+  print(checkpoints.params_digest(params))
+
+
+def cmd_inspect(model_dir: str, step=None) -> None:
+  found, path = checkpoints.step_dir(model_dir, step)
+  tree = checkpoints.state_tree_metadata(path)
+  print(f"step {found}: {path}")
+  total = 0
+  for key_path, m in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    spec = getattr(getattr(m, "sharding", None), "partition_spec", None)
+    size = int(np.prod(m.shape)) if m.shape else 1
+    total += size if key_path and getattr(key_path[0], "key", None) == "params" else 0
+    print(f"{checkpoints.path_name(key_path):60s} {str(tuple(m.shape)):20s} {str(m.dtype):9s} "
+          f"sharding={tuple(spec) if spec is not None else None}")
+  print(f"parameters: {total:,}")
+  meta = checkpoints.read_metadata(path)
+  gin_config = meta.pop("gin_config", None)
+  print("metadata: " + json.dumps(meta, sort_keys=True))
+  if gin_config:
+    print(f"gin config: {len(gin_config.splitlines())} lines recorded (printed below)")
+    print(gin_config.rstrip())
+
+
+def main(argv) -> int:
+  args = _parser().parse_args(argv)
+  if not os.path.isdir(args.model_dir):
+    raise FileNotFoundError(f"MODEL_DIR '{args.model_dir}' does not exist")
+  {"list": cmd_list, "digest": cmd_digest, "inspect": cmd_inspect}[args.command](args.model_dir, args.step)
+  return 0
+
+
+def run() -> None:
+  """Entry point: a user error prints one line and exits 1 (T5X_LIKE_TRACEBACK=1 shows the traceback)."""
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  logging.set_verbosity(logging.ERROR)  # orbax warns about optional files it does not find
+  try:
+    sys.exit(main(sys.argv[1:]))
+  except (ValueError, KeyError, OSError) as e:
+    if os.environ.get("T5X_LIKE_TRACEBACK"):
+      raise
+    text = str(e).strip().splitlines()
+    print(f"error: {text[0] if text else type(e).__name__}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,308 @@
+"""What keeps a run alive: preemption (SIGTERM/SIGINT), non-finite steps, failed saves, warm start, exit codes.
+
+The trainer calls a `RunGuard` at three points: after each step (`after_step`), when a checkpoint is
+due (`save`), and at the end (`finish`, which raises the reason the run stopped early, if any).
+"""
+
+import errno
+import os
+import signal
+import threading
+from typing import Optional
+
+from absl import logging
+import jax
+import numpy as np
+
+from t5x_like import checkpoints
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint was written at the signal's step; relaunch to resume
+EXIT_SAVE_FAILED = 74  # EX_IOERR: checkpoints could not be written (read-only or full MODEL_DIR)
+EXIT_NONFINITE = 65  # EX_DATAERR: too many consecutive non-finite steps
+MAX_ROLLBACKS = 3  # rollbacks to the last checkpoint per launch before a non-finite streak stops the run
+
+
+class RunStopped(Exception):
+  """The run stopped early on purpose; `exit_code` is what `python -m t5x_like.train` exits with."""
+  exit_code = 1
+
+
+class Preempted(RunStopped):
+  exit_code = EXIT_PREEMPTED
+
+
+class CheckpointSaveError(RunStopped):
+  exit_code = EXIT_SAVE_FAILED
+
+
+class NonFiniteError(RunStopped):
+  exit_code = EXIT_NONFINITE
+
+
+def check_writable(model_dir: str) -> None:
+  """Fails before any compute when MODEL_DIR cannot take a checkpoint (read-only, full, not a dir)."""
+  probe = os.path.join(model_dir, f".write_probe.{os.getpid()}")
+  try:
+    os.makedirs(model_dir, exist_ok=True)
+    with open(probe, "wb") as f:
+      f.write(b"\0" * 4096)
+      f.flush()
+      os.fsync(f.fileno())
+    os.remove(probe)
+  except OSError as e:
+    reason = {errno.ENOSPC: "the disk is full", errno.EROFS: "it is on a read-only file system",
+              errno.EACCES: "permission denied", errno.EPERM: "operation not permitted"}.get(e.errno, e.strerror)
+    raise CheckpointSaveError(
+        f"MODEL_DIR '{model_dir}' is not writable ({reason}): no checkpoint could be saved. Checkpoints "
+        f"already there are untouched; free space or fix permissions and relaunch") from e
+
+
+class PreemptionWatcher:
+  """Turns SIGTERM/SIGINT into "checkpoint and stop at the next step boundary".
+
+  Multi-process runs use JAX's preemption notifier (it owns SIGTERM; every process reaches the same
+  sync step). Single-process runs install a signal handler. A second SIGINT interrupts at once.
+  """
+
+  def __init__(self):
+    self.signal_name: Optional[str] = None
+    self._previous = {}
+    self._use_jax = jax.process_count() > 1 and _jax_preemption_available()
+
+  def __enter__(self):
+    if threading.current_thread() is not threading.main_thread():
+      logging.warning("train() runs outside the main thread: SIGTERM/SIGINT are not turned into checkpoints")
+      return self
+    for sig in (signal.SIGINT,) if self._use_jax else (signal.SIGTERM, signal.SIGINT):
+      self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    self._previous = {}
+
+  def _handle(self, signum, frame):  # pylint: disable=unused-argument
+    if self.signal_name is not None and signum == signal.SIGINT:
+      signal.signal(signal.SIGINT, signal.default_int_handler)
+      raise KeyboardInterrupt
+    self.signal_name = signal.Signals(signum).name
+    logging.warning("%s received: saving a checkpoint at the next step boundary, then exiting with %d",
+                    self.signal_name, EXIT_PREEMPTED)
+
+  def should_stop(self, step: int) -> bool:
+    """Called by every process after every step."""
+    if self._use_jax:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      if multihost_utils.reached_preemption_sync_point(step):
+        self.signal_name = self.signal_name or "SIGTERM"
+        return True
+      return False  # a local SIGINT alone would split the processes: only the notifier decides
+    return self.signal_name is not None
+
+
+def _jax_preemption_available() -> bool:
+  try:
+    from jax._src import distributed  # pylint: disable=g-import-not-at-top
+    return distributed.global_state.preemption_sync_manager is not None
+  except (ImportError, AttributeError):
+    return False
+
+
+class NonFiniteMonitor:
+  """Counts consecutive non-finite steps, reading each step's flag one step late (no per-step sync)."""
+
+  def __init__(self, patience: int):
+    self.patience = patience
+    self.consecutive = 0
+    self.total = 0
+    self._pending = None  # (step, device flag)
+
+  def observe(self, step: int, nonfinite) -> Optional[int]:
+    """Records this step's flag; returns the step that completed a streak of `patience`, if any."""
+    ready, self._pending = self._pending, (step, nonfinite)
+    return self._resolve(ready)
+
+  def flush(self) -> Optional[int]:
+    ready, self._pending = self._pending, None
+    return self._resolve(ready)
+
+  def _resolve(self, ready) -> Optional[int]:
+    if ready is None:
+      return None
+    step, flag = ready
+    if int(flag):
+      self.consecutive += 1
+      self.total += 1
+      logging.warning("step %d: non-finite loss or gradients; update skipped (%d in a row)", step,
+                      self.consecutive)
+    else:
+      self.consecutive = 0
+    return step if self.patience and self.consecutive >= self.patience else None
+
+  def reset(self) -> None:
+    self.consecutive, self._pending = 0, None
+
+
+class Saver:
+  """Checkpoint saves that report failures instead of crashing, and stop after too many in a row.
+
+  An async save's error surfaces at the next save or at `finish`; either way it is logged, the
+  leftovers of the failed step are removed and the manager's step list is re-read from disk (orbax
+  never deletes an old step before a newer one commits, so the last good checkpoint stays).
+  """
+
+  def __init__(self, manager, max_failures: int):
+    self.manager, self.max_failures = manager, max_failures
+    self.failures = 0
+    self.last_saved: Optional[int] = None
+    self._pending: Optional[int] = None
+    self._attempted: Optional[int] = None
+
+  def save(self, step: int, state, iterator, metadata: dict) -> None:
+    self._settle()
+    self._attempted = step
+    try:
+      if checkpoints.save(self.manager, step, state, iterator, metadata):
+        self._pending = step
+        if not self.manager.is_saving_in_progress():
+          self._settle()
+    except Exception as e:  # pylint: disable=broad-except  # disk full, read-only, permission, ...
+      self._failed(step, e)
+
+  def _settle(self) -> None:
+    step, self._pending = self._pending, None
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      self._failed(step, e)
+      return
+    if step is not None:
+      self.failures, self.last_saved = 0, step
+
+  def _failed(self, step, error: Exception) -> None:
+    self.failures += 1
+    self.manager.reload()
+    checkpoints.remove_tmp_dirs(self.manager, step)
+    logging.error("checkpoint save at step %s FAILED (%s, %d in a row); the newest committed checkpoint "
+                  "is step %s in %s", step, checkpoints._first_line(error), self.failures,  # pylint: disable=protected-access
+                  self.manager.latest_step(), self.manager.directory)
+    if self.failures > self.max_failures:
+      raise CheckpointSaveError(
+          f"{self.failures} checkpoint saves in a row failed, the last at step {step} "
+          f"({checkpoints._first_line(error)}); stopped. The newest committed checkpoint is step "  # pylint: disable=protected-access
+          f"{self.manager.latest_step()} in {self.manager.directory}: free space or fix permissions, "
+          "then relaunch to resume from it") from error
+
+  def finish(self, final_step: int) -> None:
+    """Waits for the last save; if this launch tried to save `final_step`, it must have committed."""
+    self._settle()
+    if self._attempted == final_step and self.last_saved != final_step:
+      raise CheckpointSaveError(
+          f"the final checkpoint (step {final_step}) could not be saved; the newest committed one is "
+          f"step {self.manager.latest_step()} in {self.manager.directory}")
+
+
+class RunGuard:
+  """Preemption, non-finite policy and safe saves for one launch of the training loop.
+
+  Args:
+    manager: the run's CheckpointManager.
+    abstract_state: ShapeDtypeStructs with shardings (for a rollback restore).
+    nonfinite_patience: consecutive non-finite steps that trigger `nonfinite_action`; 0 = never.
+    nonfinite_action: "stop" (raise NonFiniteError) or "rollback" (restore the last checkpoint's
+      state and continue with the data after the offending batches).
+    max_failed_saves: consecutive failed saves tolerated; one more stops the run.
+  """
+
+  def __init__(self, manager, abstract_state, *, nonfinite_patience: int, nonfinite_action: str,
+               max_failed_saves: int):
+    if nonfinite_action not in ("stop", "rollback"):
+      raise ValueError(f"TrainConfig.nonfinite_action must be 'stop' or 'rollback', got {nonfinite_action!r}")
+    self.manager, self.abstract_state, self.action = manager, abstract_state, nonfinite_action
+    self.preemption = PreemptionWatcher()
+    self.nonfinite = NonFiniteMonitor(nonfinite_patience)
+    self.saver = Saver(manager, max_failed_saves)
+    self.rollbacks = 0
+
+  def __enter__(self):
+    self.preemption.__enter__()
+    return self
+
+  def __exit__(self, exc_type, exc, tb):
+    self.preemption.__exit__(exc_type, exc, tb)
+    if exc_type is not None:  # stopping early: let an in-flight async save commit before leaving
+      try:
+        self.manager.wait_until_finished()
+      except Exception as e:  # pylint: disable=broad-except
+        logging.error("the checkpoint being written when the run stopped failed: %s", e)
+
+  def after_step(self, step: int, step_metrics) -> bool:
+    """True when the caller must roll back (`rollback`); raises NonFiniteError under "stop"."""
+    bad = self.nonfinite.observe(step, step_metrics["nonfinite"])
+    if bad is None:
+      return False
+    message = (f"{self.nonfinite.consecutive} consecutive non-finite steps ending at step {bad} "
+               f"(TrainConfig.nonfinite_patience={self.nonfinite.patience})")
+    if self.action == "rollback" and self.rollbacks < MAX_ROLLBACKS:
+      logging.error("%s: rolling back to the last checkpoint and skipping the batches since", message)
+      return True
+    raise NonFiniteError(f"{message}: stopped; lower the learning rate, check the data, or set "
+                         "TrainConfig.nonfinite_action='rollback'. Parameters were not updated by those "
+                         f"steps; the newest checkpoint is step {self.manager.latest_step()}")
+
+  def rollback(self):
+    """(step, state) of the newest checkpoint; the data iterator is left where it is (past the bad batches)."""
+    self.saver._settle()  # pylint: disable=protected-access
+    self.rollbacks += 1
+    self.nonfinite.reset()
+    step, state, _ = checkpoints.restore_latest(self.manager, self.abstract_state)
+    if state is None:
+      raise NonFiniteError("non-finite streak and no checkpoint to roll back to: stopped")
+    logging.warning("rolled back to step %d (rollback %d of at most %d)", step, self.rollbacks, MAX_ROLLBACKS)
+    return int(step), state
+
+  def preempted(self, step: int) -> bool:
+    return self.preemption.should_stop(step)
+
+  def save(self, step: int, state, iterator, metadata: dict) -> None:
+    self.saver.save(step, state, iterator, metadata)
+
+  def finish(self, step: int) -> None:
+    """Waits for the last save (raises CheckpointSaveError when the final one did not commit)."""
+    self.nonfinite.flush()
+    self.saver.finish(step)
+
+  def raise_if_preempted(self, step: int, train_steps: int) -> None:
+    if step < train_steps and self.preemption.signal_name:
+      raise Preempted(f"{self.preemption.signal_name} at step {step}: checkpoint saved to "
+                      f"{self.manager.directory}/{step}; relaunch the same command to resume")
+
+
+def warm_start(state, source: str, abstract_state, with_optimizer: bool):
+  """`state` with the parameters (and optionally optimizer state) of another run's checkpoint; step 0.
+
+  Args:
+    state: this run's freshly initialised TrainState (sharded).
+    source: the other run's MODEL_DIR (newest step) or one of its `checkpoints/<step>` directories.
+    abstract_state: this run's ShapeDtypeStructs with shardings: the source is resharded onto them.
+    with_optimizer: also take the source's optimizer state (it must have the same structure).
+  """
+  if with_optimizer:
+    step, params, opt_state = checkpoints.restore_params(source, abstract_params=abstract_state.params,
+                                                         with_opt_state_of=abstract_state.opt_state)
+    state = state.replace(params=params, opt_state=opt_state)
+  else:
+    step, params = checkpoints.restore_params(source, abstract_params=abstract_state.params)
+    state = state.replace(params=params)
+  logging.info("warm start: parameters%s from %s step %d", " and optimizer state" if with_optimizer else "",
+               source, step)
+  return state
+
+
+def poison_batch(batch: dict, step: int, steps) -> dict:
+  """Test hook: NaN loss weights for the batch of each (1-based) step in `steps`."""
+  if steps and step in steps:
+    logging.warning("step %d: poisoning the batch with NaN weights (TrainConfig.debug_nan_steps)", step)
+    batch = dict(batch, weights=np.full_like(batch["weights"], np.nan))
+  return batch
