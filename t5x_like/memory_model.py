@@ -196,7 +196,8 @@ def estimate(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int, seq_le
   working = (LOSS_OVERHEAD * rows * (prof.head + prof.head_tensor / t)
              + WEIGHT_COPIES * prof.weights * p_gathered / p_total)
   if cfg.remat_policy != "none":  # one layer's forward is rebuilt during its backward
-    working += REMAT_WORKING * rows * _per_layer(dataclasses.replace(cfg, remat_policy="none"), seq_len, t)
+    stage_rows = rows / layout.stage_microbatches  # a pipeline stage recomputes one pipeline microbatch
+    working += REMAT_WORKING * stage_rows * _per_layer(dataclasses.replace(cfg, remat_policy="none"), seq_len, t)
   grads = 4.0 * p_dev * (UPDATE_TEMPS + (ACCUMULATOR_TEMPS if layout.num_microbatches > 1 else 0.0))
   inputs = 5 * 4.0 * global_batch * seq_len / batch_ways
   return MemoryEstimate(params=4.0 * p_dev, optimizer=8.0 * p_dev, grads=grads, activations=activations,
