@@ -1,0 +1,119 @@
+"""The run planner: exact parameter counts, sharded memory vs XLA, infeasible layouts named, the CLI."""
+
+import dataclasses
+import glob
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+import pytest
+
+from t5x_like import gin_utils
+from t5x_like import hardware
+from t5x_like import memory_model
+from t5x_like import model
+from t5x_like import plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = sorted(glob.glob(os.path.join(ROOT, "configs", "models", "*.gin")))
+GPT2 = model.GPTConfig(vocab_size=50304, max_len=1024)
+GPT3 = model.GPTConfig(vocab_size=50304, max_len=2048, num_layers=96, num_heads=96, d_model=12288, d_ff=49152)
+SMALL = model.GPTConfig(vocab_size=2048, max_len=128, num_layers=3, num_heads=6, d_model=192, d_ff=768)
+
+
+def _target(hw="h100", n=8, batch=512, seq=1024, tokens=1e10, per_host=0):
+  return plan.Target(hardware=hardware.get(hw), num_devices=n, global_batch=batch, seq_len=seq, tokens=tokens,
+                     devices_per_host=per_host)
+
+
+@pytest.mark.parametrize("model_file", MODELS, ids=os.path.basename)
+def test_param_count_equals_the_initialised_model(model_file):
+  gin.clear_config()
+  try:
+    gin_utils.parse_gin([model_file])
+    cfg = gin_utils.configured(model.GPTConfig, "model")
+  finally:
+    gin.clear_config()
+  cfg = dataclasses.replace(cfg, vocab_size=cfg.vocab_size or 512)
+  counted = memory_model.param_count(cfg)
+  if counted > 3e7:  # too slow to materialise on a 2-core CI box: the closed form of the architecture
+    d, f, L = cfg.d_model, cfg.d_ff, cfg.num_layers
+    expected = L * (4 * d * d + 2 * d * f + 9 * d + f) + (cfg.vocab_size + cfg.max_len + 2) * d
+  else:
+    params = jax.jit(lambda: model.GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))()
+    expected = sum(x.size for x in jax.tree.leaves(nn.meta.unbox(params)))
+  assert counted == expected
+
+
+def test_sharded_state_follows_the_rules():
+  full = memory_model.param_elements_per_device(GPT2, memory_model.Layout(data=8))
+  assert full == memory_model.param_count(GPT2)
+  fsdp = memory_model.param_elements_per_device(GPT2, memory_model.Layout(fsdp=8))
+  assert full / 8 <= fsdp < full / 8 + 2 * 1024 * 768  # only the LayerNorm/bias vectors stay whole
+  est = memory_model.estimate(GPT2, memory_model.Layout(fsdp=8), 64, 1024)
+  assert est.params == 4 * fsdp and est.optimizer == 8 * fsdp
+
+
+def test_infeasible_layouts_are_rejected_with_the_reason():
+  target = _target()
+  assert "does not divide num_heads=12" in plan.structural_reason(GPT2, plan.Layout(tensor=8), target)
+  assert "does not divide num_layers=12" in plan.structural_reason(GPT2, plan.Layout(pipeline=8), target)
+  odd = _target(batch=12)
+  assert "not divisible by data×fsdp=8" in plan.structural_reason(GPT2, plan.Layout(data=8), odd)
+  assert "spans hosts" in plan.structural_reason(GPT2, plan.Layout(tensor=4, data=2), _target(per_host=2))
+  over = plan.evaluate(GPT3, plan.Layout(data=8), _target(batch=64, seq=2048))
+  assert over.reason.startswith("needs ") and "GiB per device > 71.64 GiB (90% of h100)" in over.reason
+  text, feasible, dropped = plan.report(GPT3, _target(batch=64, seq=2048), remat_policies=("full",))
+  assert not feasible and all(c.reason for c in dropped)
+  assert "over memory" not in text and "needs" in text
+
+
+def test_search_ranks_feasible_layouts_by_step_time():
+  text, feasible, dropped = plan.report(GPT2, _target(), top=5)
+  assert feasible and all(c.reason is None for c in feasible)
+  times = [c.time.total for c in feasible]
+  assert times == sorted(times)
+  best = feasible[0]
+  assert 0 < best.mfu < 1 and best.memory.total < 0.9 * hardware.get("h100").hbm_bytes
+  assert best.layout.num_devices == 8 and "feasible layouts" in text and "dropped" in text
+
+
+def test_inter_host_links_slow_the_step():
+  layout = plan.Layout(data=2, tensor=4, num_microbatches=1)
+  intra = plan.step_time(GPT2, layout, _target())
+  inter = plan.step_time(GPT2, layout, _target(per_host=2))
+  assert inter.tensor > 5 * intra.tensor and inter.compute == intra.compute
+  bubble = plan.step_time(GPT2, plan.Layout(pipeline=4, data=2, pipeline_microbatches=4), _target())
+  assert bubble.bubble == pytest.approx(bubble.compute * 3 / 4)  # (p − 1)/m of the compute
+
+
+def test_cli_reports_and_rejects_bad_input():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  ok = subprocess.run([sys.executable, "-m", "t5x_like.plan", "--gin_file=configs/models/gpt_tiny.gin",
+                       "--vocab_size=4096", "--hardware=v5e", "--num_devices=4", "--global_batch=32",
+                       "--seq_len=256", "--tokens=1e8"], cwd=ROOT, env=env, capture_output=True, text=True)
+  assert ok.returncode == 0, ok.stderr[-2000:]
+  assert "feasible layouts" in ok.stdout and "FLOPs/token" in ok.stdout
+  bad = subprocess.run([sys.executable, "-m", "t5x_like.plan", "--gin_file=configs/models/gpt_tiny.gin",
+                        "--num_devices=4"], cwd=ROOT, env=env, capture_output=True, text=True)
+  assert bad.returncode != 0
+  assert bad.stderr.strip().splitlines()[-1].startswith("error: GPTConfig.vocab_size is 0")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,batch", [
+    (memory_model.Layout(data=8), 16),
+    (memory_model.Layout(fsdp=4, tensor=2, remat_policy="full"), 16),
+    (memory_model.Layout(data=2, fsdp=2, tensor=2, num_microbatches=2, remat_policy="save_dots"), 32),
+    (memory_model.Layout(data=4, tensor=2, remat_policy="save_attention_out"), 16),
+    (memory_model.Layout(fsdp=8), 16),
+], ids=lambda x: x.describe() if isinstance(x, memory_model.Layout) else str(x))
+def test_memory_estimate_within_15_percent_of_xla(layout, batch):
+  compiled = memory_model.compile_train_step(SMALL, layout, batch, 128)
+  xla = memory_model.xla_bytes_per_device(compiled.memory_analysis())
+  est = memory_model.estimate(SMALL, layout, batch, 128).total
+  assert abs(est / xla - 1) < 0.15, (est, xla)
