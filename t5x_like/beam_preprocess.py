@@ -14,6 +14,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 import numpy as np
 import tensorflow as tf
 
+from t5x_like import packing
 from t5x_like import preprocess as pp
 from t5x_like import shard_writer
 from t5x_like import text_cleaning
@@ -73,15 +74,17 @@ def _plan(metadata, validation_fraction, seed, num_shards):
 class _WriteShard(beam.DoFn):
   """((split, shard), [(position, tokens)...]) -> the shard file and its manifest entry."""
 
-  def __init__(self, output_dir, num_shards, pack_length, pad_id):
-    self._args = (output_dir, num_shards, pack_length, pad_id)
+  def __init__(self, output_dir, num_shards, pack_length, tok):
+    dtype = packing.packed_dtype(tok.vocab_size, pack_length or 0)
+    self._args = (output_dir, num_shards, pack_length, tok.pad_id, tok.eos_id, dtype)
 
   def process(self, element):
     (split, shard), docs = element
-    output_dir, num_shards, pack_length, pad_id = self._args
+    output_dir, num_shards, pack_length, pad_id, eos_id, dtype = self._args
     docs = [tokens for _, tokens in sorted((d for d in docs if d is not None), key=lambda d: d[0])]
     name = shard_writer.shard_name(split, shard, num_shards[split])
-    yield split, shard, shard_writer.write_shard(output_dir, name, docs, pack_length, pad_id)
+    yield split, shard, shard_writer.write_shard(output_dir, name, docs, pack_length, pad_id, eos_id,
+                                                 dtype)
 
 
 def _sum_counts(dicts):
@@ -146,7 +149,7 @@ def run(inputs: Sequence[str] | str, output_dir: str, *, runner: str = "DirectRu
     every_shard = p | "ShardKeys" >> beam.Create(
         [((s, i), None) for s, n in num_shards.items() for i in range(n)])
     entries = ((keyed, every_shard) | beam.Flatten() | "ByShard" >> beam.GroupByKey()
-               | "Write" >> beam.ParDo(_WriteShard(output_dir, num_shards, pack_length, tok.pad_id)))
+               | "Write" >> beam.ParDo(_WriteShard(output_dir, num_shards, pack_length, tok)))
     totals = ((counts, dup_counts) | "AllCounts" >> beam.Flatten()
               | "SumCounts" >> beam.CombineGlobally(_sum_counts))
     _ = (entries | "AllEntries" >> beam.combiners.ToList()

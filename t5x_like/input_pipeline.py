@@ -12,6 +12,9 @@ from typing import Any
 
 import tensorflow as tf
 
+from t5x_like import packing
+from t5x_like.packing import pack_features  # pylint: disable=unused-import  (public API)
+
 try:  # TensorFlow only feeds data here: keep it off the accelerators JAX owns.
   tf.config.set_visible_devices([], "GPU")
 except RuntimeError:  # TF already initialised by the caller; it then decided device placement
@@ -106,42 +109,6 @@ def load_manifest(data_dir: str, *, verify: str = "size") -> dict:
   return manifest
 
 
-def pack_features(rows: tf.Tensor, pad_id: int = 0, eos_id: int = 1) -> dict[str, tf.Tensor]:
-  """Model features from rows of L+1 tokens cut from the document stream.
-
-  A document starts at column 0 and after every EOS; `pad_id` marks padding. Loss never crosses a
-  document boundary: the target after an EOS belongs to the next document, so its weight is 0.
-
-  Example (pad 0, EOS 1; a row holding the end of doc A, doc B, and padding):
-    rows        [[7, 1, 5, 6, 1, 0]]
-    inputs      [[7, 1, 5, 6, 1]]      targets   [[1, 5, 6, 1, 0]]
-    segment_ids [[1, 1, 2, 2, 2]]      positions [[0, 1, 0, 1, 2]]
-    weights     [[1, 0, 1, 1, 0]]
-
-  Args:
-    rows: int32 (B, L+1).
-
-  Returns:
-    inputs, targets, segment_ids, positions: int32 (B, L); weights: float32 (B, L).
-  """
-  rows = tf.cast(rows, tf.int32)                                       # (B, L+1)
-  is_pad = tf.equal(rows, pad_id)
-  is_eos = tf.equal(rows, eos_id)
-  starts = tf.pad(is_eos[:, :-1], [[0, 0], [1, 0]], constant_values=True)
-  segments = tf.cumsum(tf.cast(starts, tf.int32), axis=1)              # 1, 2, ... per row
-  flat_starts = tf.reshape(starts, [-1])
-  group = tf.cumsum(tf.cast(flat_starts, tf.int32)) - 1                # global segment index
-  index = tf.range(tf.size(flat_starts, out_type=tf.int32))
-  first = tf.gather(tf.math.segment_min(index, group), group)          # index of segment start
-  positions = tf.reshape(index - first, tf.shape(rows))
-  zeros = tf.zeros_like(rows)
-  segments = tf.where(is_pad, zeros, segments)
-  positions = tf.where(is_pad, zeros, positions)
-  same_doc = ~is_eos[:, :-1] & ~is_pad[:, :-1] & ~is_pad[:, 1:]
-  return {"inputs": rows[:, :-1], "targets": rows[:, 1:], "segment_ids": segments[:, :-1],
-          "positions": positions[:, :-1], "weights": tf.cast(same_doc, tf.float32)}
-
-
 def _read_shard(path, expected, *, records_per_read, record_shard, on_corrupt):
   """Batches of serialized records of one shard; an unreadable tail errors (or warns) naming it."""
   ds = tf.data.TFRecordDataset(path).ignore_errors()
@@ -173,17 +140,29 @@ def _warn(msg):
     return tf.constant(True)
 
 
-def _parse_flat(serialized, *, drop_pad: bool, pad_id: int):
-  """(K,) serialized Examples -> all their tokens back to back, int32 (n,)."""
+def _parse_flat(serialized):
+  """(K,) serialized Examples of one document each -> their tokens back to back, int32 (n,)."""
   tokens = tf.io.parse_example(serialized, {"tokens": tf.io.RaggedFeature(tf.int64)})["tokens"]
-  values = tf.cast(tokens.flat_values, tf.int32)
-  return tf.boolean_mask(values, tf.not_equal(values, pad_id)) if drop_pad else values
+  return tf.cast(tokens.flat_values, tf.int32)
 
 
-def _parse_rows(serialized, *, length: int):
-  """(K,) serialized pre-packed Examples -> int32 (K, length)."""
-  spec = {"tokens": tf.io.FixedLenFeature([length], tf.int64)}
-  return tf.cast(tf.io.parse_example(serialized, spec)["tokens"], tf.int32)
+def _parse_packed_flat(records, *, length: int, dtype: str, pad_id: int):
+  """(K,) pre-packed rows of another length -> their tokens without padding, int32 (n,)."""
+  tokens = tf.reshape(packing.parse_packed(records, length, dtype)[:, packing.TOKENS], [-1])
+  return tf.boolean_mask(tokens, tf.not_equal(tokens, pad_id))
+
+
+def _to_rows(tokens, *, length: int, pad_id: int, eos_id: int):
+  """A flat chunk of the token stream -> segmented rows of `length` (the last one padded)."""
+  pad = (-tf.size(tokens)) % length
+  rows = tf.reshape(tf.pad(tokens, [[0, pad]], constant_values=pad_id), [-1, length])
+  return packing.segment_rows(rows, pad_id, eos_id)
+
+
+def _permute(index, rows, *, seed: int):
+  """Seeded permutation of a block of rows (R, 3, N); a pure function of (seed, block index)."""
+  key = tf.stack([tf.constant(seed, tf.int64), index])
+  return tf.gather(rows, tf.argsort(tf.random.stateless_uniform([tf.shape(rows)[0]], key)))
 
 
 def _pad_to(x, size: int, axis: int):
@@ -214,13 +193,18 @@ def make_dataset(data_dir: str, split: str, *, batch_size: int, seq_len: int, se
                  num_parallel_reads: int = AUTOTUNE, cycle_length: int | None = None,
                  records_per_read: int = 64, on_corrupt: str = "raise", verify: str = "size",
                  prefetch: int = AUTOTUNE) -> tf.data.Dataset:
-  """This process's batches of packed rows; see `pack_features` for the element.
+  """This process's batches of packed rows; see `packing.pack_features` for the element.
 
   Shards are dealt to processes round-robin (record-level when there are fewer shards than
   processes). Rows are cut from the stream of documents (each ending in EOS) in read order, so
   with repeat=True rows run across epochs and no token is dropped; with repeat=False the last row
   and the last batch are padded (segment 0, weight 0) so no token is dropped either. Pre-packed
-  data (manifest packed_length == seq_len + 1) is read row by row without repacking.
+  data (manifest packed_length == seq_len + 1) is read with its stored segment ids and positions,
+  without repacking; other lengths are repacked from its tokens.
+
+  Shuffling is in two levels, both pure functions of (seed, position), so the iterator checkpoint
+  holds no buffer: shard order is reshuffled each epoch, and rows are permuted within consecutive
+  blocks of `shuffle_buffer` rows (a vectorized permutation instead of a per-row shuffle buffer).
 
   Args:
     data_dir: prepared DATA_DIR.
@@ -228,7 +212,7 @@ def make_dataset(data_dir: str, split: str, *, batch_size: int, seq_len: int, se
     batch_size: rows per batch produced by this process.
     seq_len: L; rows hold L+1 tokens (inputs = row[:-1], targets = row[1:]).
     seed: file-order and row shuffle seed (same seed -> same batches).
-    shuffle: shuffle shard order each epoch and rows within `shuffle_buffer`.
+    shuffle: shuffle shard order each epoch and rows within blocks of `shuffle_buffer` rows.
     repeat: cycle forever.
     process_index, process_count: default jax.process_index() / jax.process_count().
     num_parallel_reads: parallel shard readers.
@@ -264,22 +248,29 @@ def make_dataset(data_dir: str, split: str, *, batch_size: int, seq_len: int, se
   ds = files.interleave(read, cycle_length=cycle_length or min(len(shards), 8), block_length=1,
                         num_parallel_calls=num_parallel_reads, deterministic=True)
   packed = manifest.get("packed_length")
-  if packed == length:  # pre-packed rows: parse densely, no repacking
-    ds = ds.map(functools.partial(_parse_rows, length=length), num_parallel_calls=AUTOTUNE,
-                deterministic=True).unbatch()
-  else:
-    parse = functools.partial(_parse_flat, drop_pad=bool(packed), pad_id=pad_id)
+  block = shuffle_buffer if shuffle else batch_size  # rows
+  if packed == length:  # pre-packed rows with their segment ids and positions: no repacking
+    parse = functools.partial(packing.parse_packed, length=length, dtype=manifest["packed_dtype"])
     ds = ds.map(parse, num_parallel_calls=AUTOTUNE, deterministic=True)
-    ds = ds.rebatch(length, drop_remainder=repeat)
-    if not repeat:
-      ds = ds.map(lambda r: _pad_to(r, length, 0))
+    if shuffle:
+      ds = ds.rebatch(block, drop_remainder=False)
+  else:
+    if packed:
+      parse = functools.partial(_parse_packed_flat, length=packed, dtype=manifest["packed_dtype"],
+                                pad_id=pad_id)
+    else:
+      parse = _parse_flat
+    ds = ds.map(parse, num_parallel_calls=AUTOTUNE, deterministic=True)
+    ds = ds.rebatch(block * length, drop_remainder=repeat)
+    ds = ds.map(functools.partial(_to_rows, length=length, pad_id=pad_id, eos_id=eos_id),
+                num_parallel_calls=AUTOTUNE, deterministic=True)
   if shuffle:
-    ds = ds.shuffle(shuffle_buffer, seed=local_seed)
-  ds = ds.batch(batch_size, drop_remainder=repeat)
+    ds = ds.enumerate().map(functools.partial(_permute, seed=local_seed),
+                            num_parallel_calls=AUTOTUNE, deterministic=True)
+  ds = ds.rebatch(batch_size, drop_remainder=repeat)
   if not repeat:
-    ds = ds.map(lambda b: _pad_to(b, batch_size, 0))
-  ds = ds.map(functools.partial(pack_features, pad_id=pad_id, eos_id=eos_id),
-              num_parallel_calls=AUTOTUNE, deterministic=True)
+    ds = ds.map(lambda rows: _pad_to(rows, batch_size, 0))
+  ds = ds.map(packing.row_features, num_parallel_calls=AUTOTUNE, deterministic=True)
   options = tf.data.Options()
   options.deterministic = True
   return ds.with_options(options).prefetch(prefetch)

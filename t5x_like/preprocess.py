@@ -18,6 +18,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import tensorflow as tf
 
+from t5x_like import packing
 from t5x_like import shard_writer
 from t5x_like import text_cleaning
 from t5x_like import tokenizer as tokenizer_lib
@@ -120,13 +121,19 @@ class Progress:
 
 
 def _pool_map(fn: Callable, args: Iterator, num_workers: int, initializer, initargs) -> Iterator:
-  """Ordered map over worker processes (fork where available); inline when num_workers <= 1."""
+  """Ordered map over worker processes; inline when num_workers <= 1."""
   if num_workers <= 1:
     initializer(*initargs)
     yield from map(fn, args)
     return
-  method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-  with multiprocessing.get_context(method).Pool(num_workers, initializer, initargs) as pool:
+  if "forkserver" in multiprocessing.get_all_start_methods():
+    # Workers fork from a clean server that imported only the TF-free worker module: never from
+    # this process, whose TF / JAX threads make fork unsafe.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["t5x_like.text_cleaning"])
+  else:
+    ctx = multiprocessing.get_context("spawn")
+  with ctx.Pool(num_workers, initializer, initargs) as pool:
     window = []
     for a in args:  # bounded look-ahead: at most 4 files per worker are held in memory
       window.append(a)
@@ -280,6 +287,7 @@ def write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed, num
   if tf.io.gfile.exists(manifest_path):  # an interrupted rewrite must not leave a valid manifest
     tf.io.gfile.remove(manifest_path)
   is_val = shard_writer.split_documents(hashes, validation_fraction, seed)
+  packed_dtype = packing.packed_dtype(tok.vocab_size, pack_length or 0)
   splits = {}
   for split, mask, n in (("train", ~is_val, num_train_shards),
                          ("validation", is_val, num_validation_shards)):
@@ -287,7 +295,8 @@ def write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed, num
     plan = shard_writer.plan_shards([len(d) for d in split_docs], n, seed)
     splits[split] = shard_writer.split_entry([
         shard_writer.write_shard(output_dir, shard_writer.shard_name(split, i, n),
-                                 [split_docs[j] for j in plan[i]], pack_length, tok.pad_id)
+                                 [split_docs[j] for j in plan[i]], pack_length, tok.pad_id,
+                                 tok.eos_id, packed_dtype)
         for i in range(n)])
   tok.save(shard_writer.join(output_dir, shard_writer.TOKENIZER))
   shard_writer.remove_stale(output_dir, [s["path"] for sp in splits.values() for s in sp["shards"]])

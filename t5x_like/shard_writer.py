@@ -12,6 +12,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from t5x_like import packing
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.model"
@@ -96,6 +98,7 @@ def file_sha256(path: str) -> str:
 def write_records(path: str, records: Iterable[bytes]) -> dict:
   """Writes a TFRecord file to a temporary name and renames it into place when complete."""
   tmp = f"{path}.tmp-{os.getpid()}"
+  tf.io.gfile.makedirs(posixpath.dirname(path) if "://" in path else os.path.dirname(path) or ".")
   n = 0
   with tf.io.TFRecordWriter(tmp) as w:
     for r in records:
@@ -106,10 +109,13 @@ def write_records(path: str, records: Iterable[bytes]) -> dict:
 
 
 def write_shard(output_dir: str, name: str, docs: Sequence[np.ndarray], pack_length: int | None,
-                pad_id: int) -> dict:
+                pad_id: int, eos_id: int = 1, packed_dtype: str = "uint16") -> dict:
   """Writes one shard of documents (or of packed rows) and returns its manifest entry."""
   if pack_length:
-    records = (serialize(row) for row in pack_rows(docs, pack_length, pad_id))
+    rows = pack_rows(docs, pack_length, pad_id)
+    segments, positions = packing.segment_rows_np(rows, pad_id, eos_id)
+    records = (packing.serialize_packed_row(*x, packed_dtype)
+               for x in zip(rows, segments, positions))
   else:
     records = (serialize(d) for d in docs)
   entry = {"path": name, "num_documents": len(docs),
@@ -155,10 +161,14 @@ def make_manifest(tokenizer, splits: dict, pack_length: int | None, extra: dict)
       "eos_id": tokenizer.eos_id,
       "bos_id": tokenizer.bos_id,
       "unk_id": tokenizer.unk_id,
-      "eos_appended": True,         # every record's documents already end in exactly one EOS
-      "feature": "tokens",          # int64 list per tf.train.Example
+      "eos_appended": True,          # every document in the records ends in exactly one EOS
       "packed_length": pack_length,  # None: one document per record; N: rows of N tokens, 0-padded
-      "splits": splits,
   }
+  if pack_length:  # raw little-endian rows with their segment ids and positions
+    manifest["record_format"] = packing.RECORD_FORMAT
+    manifest["packed_dtype"] = packing.packed_dtype(tokenizer.vocab_size, pack_length)
+  else:
+    manifest["record_format"] = "example"  # tf.train.Example, int64 feature "tokens" = one document
+  manifest["splits"] = splits
   manifest.update(extra)
   return manifest

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from t5x_like import packing
 from t5x_like import preprocess as pp
 from t5x_like import shard_writer
 from t5x_like import text_cleaning
@@ -137,15 +138,19 @@ def test_prepacked_rows_hold_the_same_stream(data_dir, tmp_path):
   out, _ = data_dir
   packed = str(tmp_path / "packed")
   pp.preprocess(INPUTS, packed, **dict(KW, pack_length=33))
-  m_docs, docs = shard_records(out, "train")
-  m_rows, rows = shard_records(packed, "train")
-  assert m_rows["packed_length"] == 33
+  _, docs = shard_records(out, "train")
+  with open(os.path.join(packed, "manifest.json")) as f:
+    manifest = json.load(f)
+  assert manifest["packed_length"] == 33 and manifest["packed_dtype"] == "uint16"
+  assert manifest["record_format"] == "raw_rows"
   for name in docs:
     stream = [t for d in docs[name] for t in d]
-    assert all(len(r) == 33 for r in rows[name])
-    flat = [t for r in rows[name] for t in r]
+    records = list(tf.data.TFRecordDataset(os.path.join(packed, name)).batch(1000))[0]
+    rows = packing.parse_packed(records, 33, "uint16")  # (R, 3, 33)
+    flat = rows[:, packing.TOKENS].numpy().reshape(-1).tolist()
     assert flat[:len(stream)] == stream and set(flat[len(stream):]) <= {0}
     assert len(flat) - len(stream) < 33
+    assert np.array_equal(rows.numpy(), packing.segment_rows(rows[:, packing.TOKENS]).numpy())
 
 
 def test_plan_shards_is_balanced_and_seeded():
