@@ -122,7 +122,7 @@ def run(inputs: Sequence[str] | str, output_dir: str, *, runner: str = "DirectRu
                                  byte_fallback=byte_fallback, character_coverage=character_coverage,
                                  max_training_chars=max_tokenizer_chars),
           "doc_args": (cleaning, doc_split, text_field)}
-  tok = pp._get_tokenizer(files, identities, opts, cache, num_workers or 1)  # pylint: disable=protected-access
+  tok = pp.get_tokenizer(files, identities, opts, cache, num_workers or 1)
   t_tok = time.time()
   tf.io.gfile.makedirs(output_dir)
   manifest_path = shard_writer.join(output_dir, shard_writer.MANIFEST)

@@ -149,6 +149,7 @@ def _parse_flat(serialized):
 def _parse_packed_flat(records, *, length: int, dtype: str, pad_id: int):
   """(K,) pre-packed rows of another length -> their tokens without padding, int32 (n,)."""
   tokens = tf.reshape(packing.parse_packed(records, length, dtype)[:, packing.TOKENS], [-1])
+  tokens = tf.cast(tokens, tf.int32)
   return tf.boolean_mask(tokens, tf.not_equal(tokens, pad_id))
 
 

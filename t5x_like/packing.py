@@ -40,7 +40,7 @@ def segment_rows(rows: tf.Tensor, pad_id: int = 0, eos_id: int = 1) -> tf.Tensor
 
 
 def row_features(rows: tf.Tensor) -> dict[str, tf.Tensor]:
-  """Model features from segmented rows of L+1 tokens (int32 (B, 3, L+1), see `segment_rows`).
+  """Model features from segmented rows of L+1 tokens ((B, 3, L+1), see `segment_rows`).
 
   weights[i] = 1 when target i (token i+1) is in the same document as input i: never across a
   document boundary (after EOS) and never on padding.
@@ -48,6 +48,7 @@ def row_features(rows: tf.Tensor) -> dict[str, tf.Tensor]:
   Returns:
     inputs, targets, segment_ids, positions: int32 (B, L); weights: float32 (B, L).
   """
+  rows = tf.cast(rows, tf.int32)                                        # (B, 3, L+1)
   tokens, segments = rows[:, TOKENS], rows[:, SEGMENTS]                 # (B, L+1)
   same_doc = tf.equal(segments[:, 1:], segments[:, :-1]) & tf.not_equal(segments[:, :-1], 0)
   return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments[:, :-1],
@@ -91,7 +92,11 @@ def serialize_packed_row(row: np.ndarray, segments: np.ndarray, positions: np.nd
 
 
 def parse_packed(records: tf.Tensor, length: int, dtype: str) -> tf.Tensor:
-  """(K,) pre-packed records -> int32 (K, 3, length): tokens, segment ids, positions."""
+  """(K,) pre-packed records -> (K, 3, length) of `dtype`: tokens, segment ids, positions.
+
+  The stored dtype is kept (uint16 halves the bytes every later copy moves); `row_features`
+  casts to int32 at the end.
+  """
   values = tf.io.decode_raw(records, tf.uint16 if dtype == "uint16" else tf.int32,
                             little_endian=True)
-  return tf.reshape(tf.cast(values, tf.int32), [-1, 3, length])
+  return tf.reshape(values, [-1, 3, length])

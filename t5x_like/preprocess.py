@@ -143,7 +143,7 @@ def _pool_map(fn: Callable, args: Iterator, num_workers: int, initializer, inita
     yield from pool.imap(fn, window)
 
 
-def _get_tokenizer(files, file_hashes, opts, cache: Cache, num_workers) -> tokenizer_lib.Tokenizer:
+def get_tokenizer(files, file_hashes, opts, cache: Cache, num_workers) -> tokenizer_lib.Tokenizer:
   """Loads --tokenizer, or a cached one trained on the same inputs, or trains one."""
   if opts["tokenizer"]:
     tok = tokenizer_lib.Tokenizer.load(opts["tokenizer"])
@@ -244,7 +244,7 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
                                  byte_fallback=byte_fallback, character_coverage=character_coverage,
                                  max_training_chars=max_tokenizer_chars),
           "doc_args": (cleaning, doc_split, text_field)}
-  tok = _get_tokenizer(files, file_hashes, opts, cache, num_workers)
+  tok = get_tokenizer(files, file_hashes, opts, cache, num_workers)
   t_tok = time.time()
   per_file, counts = tokenize_inputs(files, file_hashes, tok, cleaning, doc_split, text_field, cache,
                                      num_workers, progress)
