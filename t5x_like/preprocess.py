@@ -6,8 +6,6 @@ import collections
 import dataclasses
 import gzip
 import hashlib
-import io
-import json
 import logging
 import multiprocessing
 import os
@@ -19,13 +17,15 @@ import numpy as np
 import tensorflow as tf
 
 from t5x_like import packing
+from t5x_like.preprocess_cache import CACHE_VERSION as _CACHE_VERSION
+from t5x_like.preprocess_cache import Cache
+from t5x_like.preprocess_cache import digest as _digest
 from t5x_like import shard_writer
 from t5x_like import text_cleaning
 from t5x_like import tokenizer as tokenizer_lib
 from t5x_like.text_cleaning import CleaningConfig
 
 log = logging.getLogger(__name__)
-_CACHE_VERSION = "1"
 
 
 def expand_inputs(patterns: Sequence[str]) -> list[str]:
@@ -58,47 +58,6 @@ def read_input(path: str) -> bytes:
     except (OSError, EOFError) as e:
       raise ValueError(f"Input '{path}' is not valid gzip: {e}") from e
   return raw
-
-
-def _digest(*parts) -> str:
-  return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
-
-
-class Cache:
-  """Per-input results keyed by content hash + settings, so unchanged inputs are not re-tokenized."""
-
-  def __init__(self, cache_dir: str | None):
-    self.dir = cache_dir
-    if cache_dir:
-      tf.io.gfile.makedirs(cache_dir)
-
-  def path(self, name: str) -> str | None:
-    return shard_writer.join(self.dir, name) if self.dir else None
-
-  def get_docs(self, key: str) -> text_cleaning.FileDocuments | None:
-    path = self.path(f"docs-{key}.npz")
-    if not path or not tf.io.gfile.exists(path):
-      return None
-    try:
-      with tf.io.gfile.GFile(path, "rb") as f:
-        z = np.load(io.BytesIO(f.read()))
-        counts = collections.Counter(json.loads(str(z["counts"])))
-        return text_cleaning.FileDocuments(z["tokens"], z["lengths"], z["hashes"], counts)
-    except Exception as e:  # a damaged cache entry is recomputed, never trusted
-      log.warning("Ignoring unreadable cache entry %s: %s", path, e)
-      return None
-
-  def put_docs(self, key: str, docs: text_cleaning.FileDocuments) -> None:
-    path = self.path(f"docs-{key}.npz")
-    if not path:
-      return
-    buf = io.BytesIO()
-    np.savez(buf, tokens=docs.tokens, lengths=docs.lengths, hashes=docs.hashes,
-             counts=np.array(json.dumps(dict(docs.counts))))
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with tf.io.gfile.GFile(tmp, "wb") as f:
-      f.write(buf.getvalue())
-    tf.io.gfile.rename(tmp, path, overwrite=True)
 
 
 class Progress:
