@@ -17,6 +17,17 @@ def constrain(x: jax.Array, names: tuple) -> jax.Array:
   return nn.with_logical_constraint(x, names)
 
 
+def lookup(table: jax.Array, ids: jax.Array, row_axis: str) -> jax.Array:
+  """table[ids] for a (rows, D) parameter table; ids (B, T) → (B, T, D).
+
+  The table is first gathered over its width (like any FSDP weight before use), keeping only its
+  `row_axis` split: each device then looks up its own batch rows locally and never has to trade a
+  width-sharded result for a batch-sharded one (which XLA can only do by full rematerialisation).
+  """
+  table = constrain(table, (row_axis, ax.ACT_EMBED))
+  return constrain(jnp.take(table, ids, axis=0), (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
+
+
 class LayerNorm(nn.Module):
   """LayerNorm computed in float32, returned in the compute dtype."""
   dtype: Dtype = jnp.bfloat16

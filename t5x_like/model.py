@@ -52,9 +52,17 @@ class GPTConfig:
       raise ValueError(f"GPTConfig.attention_impl={self.attention_impl!r}: expected one of {ATTENTION_IMPLS}")
     if self.dtype not in DTYPES:
       raise ValueError(f"GPTConfig.dtype={self.dtype!r}: expected one of {tuple(DTYPES)}")
+    if self.remat_policy == "offload_dots" and not _has_host_offload():
+      raise ValueError(f"GPTConfig.remat_policy='offload_dots' needs a 'pinned_host' memory space, which the "
+                       f"{jax.default_backend()} backend does not have; use 'save_dots' or 'full'")
     if self.num_layers % self.num_stages:
       raise ValueError(f"GPTConfig.num_layers={self.num_layers} is not divisible by "
                        f"{self.num_stages} pipeline stages")
+
+
+def _has_host_offload() -> bool:
+  """Whether the default backend can offload saved activations to host memory ('pinned_host')."""
+  return "pinned_host" in {memory.kind for memory in jax.devices()[0].addressable_memories()}
 
 
 class Attention(nn.Module):
@@ -179,7 +187,8 @@ class GPT(nn.Module):
                            nn.with_logical_partitioning(layers._INIT, (ax.POSITION, ax.EMBED)),
                            (cfg.max_len, cfg.d_model), jnp.float32)
     blocks = self.param("blocks", lambda r: init_stacked_blocks(cfg, r, cfg.num_layers))
-    x = (jnp.take(embedding, tokens, axis=0) + jnp.take(pos_table, positions, axis=0)).astype(cfg.compute_dtype)
+    x = (layers.lookup(embedding, tokens, ax.VOCAB) + layers.lookup(pos_table, positions, ax.POSITION)
+         ).astype(cfg.compute_dtype)
     x = layers.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))  # (B, T, D)
     new_cache = None
     if cache is not None:

@@ -126,3 +126,108 @@ def test_layout_trains_like_one_device(layout, initial_state, reference):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_with_accumulation_and_remat_trains_like_one_device(layout, initial_state, reference):
   assert_same_training(train(initial_state, **LAYOUTS[layout], num_microbatches=2, remat="full"), reference)
+
+
+def test_sharded_init_equals_host_init_and_is_really_sharded(initial_state):
+  """jit(init, out_shardings) on pipeline2×fsdp2×tensor2 gives the same values, and each device holds
+  1/(pipeline×fsdp×tensor) of every leaf split over all three axes (blocks' kernels and their Adam
+  moments), and exactly 1/(product of its axes) of every other leaf."""
+  mesh, _, model, tx, _ = setup({"pipeline": 2, "fsdp": 2, "tensor": 2})
+  with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    state, shardings = train_state.init_state(model, tx, jax.random.key(0), mesh, RULES)
+  for leaf, ref in zip(jax.tree.leaves(state), jax.tree.leaves(initial_state)):
+    np.testing.assert_allclose(np.asarray(leaf), ref, rtol=1e-6, atol=1e-7)
+  fully_sharded_total, fully_sharded_held = 0, None
+  for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)):
+    axes = {a for entry in sharding.spec if entry for a in (entry if isinstance(entry, tuple) else (entry,))}
+    ways = int(np.prod([mesh.shape[a] for a in axes]))
+    held = partitioning.bytes_per_device(leaf)
+    assert set(held.values()) == {leaf.nbytes // ways}, (sharding.spec, leaf.shape)
+    if axes == {"pipeline", "fsdp", "tensor"}:
+      fully_sharded_total += leaf.nbytes
+      fully_sharded_held = {d: (fully_sharded_held or {}).get(d, 0) + b for d, b in held.items()}
+  assert fully_sharded_total > 0.8 * sum(x.nbytes for x in jax.tree.leaves(state))  # most of the bytes
+  assert set(fully_sharded_held.values()) == {fully_sharded_total // 8}
+
+
+def test_rules_give_megatron_tensor_parallelism_and_fsdp():
+  """Attention heads, MLP units and the vocabulary split over `tensor`; d_model over `fsdp`;
+  layers over `pipeline`; Adam moments sharded exactly like their parameters."""
+  mesh, _, model, tx, _ = setup({"pipeline": 2, "fsdp": 2, "tensor": 2})
+  with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    _, shardings = train_state.state_shardings(model, tx, mesh, RULES)
+  spec = lambda tree, *path: tuple(functools.reduce(lambda t, k: t[k], path, tree).spec)
+  params = shardings.params
+  assert spec(params, "blocks", "attn", "qkv", "kernel") == ("pipeline", "fsdp", None, "tensor", None)
+  assert spec(params, "blocks", "attn", "out", "kernel") == ("pipeline", "tensor", None, "fsdp")
+  assert spec(params, "blocks", "mlp_in", "kernel") == ("pipeline", "fsdp", "tensor")
+  assert spec(params, "blocks", "mlp_out", "kernel") == ("pipeline", "tensor", "fsdp")
+  assert spec(params, "token_embedding") == ("tensor", "fsdp")
+  adam = shardings.opt_state[-1][0]  # clip → (adamw: scale_by_adam state, ...)
+  assert jax.tree.map(lambda s: s.spec, adam.mu) == jax.tree.map(lambda s: s.spec, params)
+  assert jax.tree.map(lambda s: s.spec, adam.nu) == jax.tree.map(lambda s: s.spec, params)
+
+
+def test_cross_entropy_is_vocab_parallel(initial_state):
+  """With tensor=8 the compiled loss never materialises full-vocabulary logits on a device."""
+  mesh, _, model, _, _ = setup({"tensor": 8})
+  with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    _, shardings = train_state.state_shardings(model, optimizer.make_optimizer(OPT, 10), mesh, RULES)
+    loss = jax.jit(lambda p, b: train_step.loss_sums(p, model.apply, b), in_shardings=(shardings.params, None))
+    hlo = loss.lower(initial_state.params, synthetic_batch()).compile().as_text()
+  assert f"[{BATCH},{SEQ},{CFG.vocab_size // 8}]" in hlo
+  assert f"[{BATCH},{SEQ},{CFG.vocab_size}]" not in hlo
+
+
+def loss_grads(cfg: model_lib.GPTConfig, params) -> list:
+  batch = synthetic_batch()
+  grad = jax.jit(jax.grad(lambda p: train_step.loss_sums(p, model_lib.GPT(cfg).apply, batch)[0]))
+  return [np.asarray(g) for g in jax.tree.leaves(grad(params))]
+
+
+@pytest.fixture(scope="module")
+def no_remat_grads(initial_state):
+  return loss_grads(CFG, initial_state.params)
+
+
+@pytest.mark.parametrize("policy", [p for p in model_lib.REMAT_POLICIES if p != "none"])
+def test_remat_policy_keeps_gradients(policy, initial_state, no_remat_grads):
+  """Every remat policy gives the gradients of no remat (offload_dots included: this CPU backend
+  has a pinned_host memory space, so it runs here too)."""
+  cfg = dataclasses.replace(CFG, remat_policy=policy)
+  cfg.validate()
+  for leaf, ref_leaf in zip(loss_grads(cfg, initial_state.params), no_remat_grads):
+    np.testing.assert_allclose(leaf, ref_leaf, rtol=1e-5, atol=1e-6)
+
+
+def check(model_overrides: dict, mesh_shape: dict, batch_size: int = BATCH, num_microbatches: int = 1):
+  cfg = dataclasses.replace(CFG, **model_overrides)
+  cfg.validate()
+  partitioning.check_layout(cfg, mesh_lib.resolve_mesh_shape(mesh_shape, 8), batch_size, num_microbatches)
+
+
+@pytest.mark.parametrize("model_overrides, mesh_shape, batch_size, num_microbatches, message", [
+    ({}, {"data": 3}, BATCH, 1, "MESH_SHAPE"),
+    ({}, {"data": 2, "tensor": -1, "fsdp": -1}, BATCH, 1, "only one axis may be -1"),
+    ({"num_heads": 4, "d_model": 64}, {"tensor": 8}, BATCH, 1, "GPTConfig.num_heads=4"),
+    ({"d_ff": 258}, {"tensor": 4, "data": 2}, BATCH, 1, "GPTConfig.d_ff=258"),
+    ({"vocab_size": 250}, {"tensor": 4, "data": 2}, BATCH, 1, "GPTConfig.vocab_size=250"),
+    ({"d_model": 68, "num_heads": 4}, {"fsdp": 8}, BATCH, 1, "GPTConfig.d_model=68"),
+    ({"num_layers": 6, "num_stages": 4}, {"pipeline": 4, "data": 2}, BATCH, 1, "GPTConfig.num_layers=6"),
+    ({"num_stages": 1}, {"pipeline": 2, "data": 4}, BATCH, 1, "GPTConfig.num_stages=1"),
+    ({}, {"data": 8}, 12, 1, "BATCH_SIZE=12"),
+    ({}, {"data": 8}, BATCH, 8, "NUM_MICROBATCHES"),
+    ({"num_stages": 2, "pipeline_microbatches": 8}, {"pipeline": 2, "data": 4}, 16, 1,
+     "GPTConfig.pipeline_microbatches=8"),
+    ({"remat_policy": "everything"}, {"data": 8}, BATCH, 1, "GPTConfig.remat_policy"),
+])
+def test_bad_layouts_are_refused_before_compiling(model_overrides, mesh_shape, batch_size, num_microbatches,
+                                                  message):
+  with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    check(model_overrides, mesh_shape, batch_size, num_microbatches)
+
+
+def test_offload_is_refused_where_the_backend_has_no_host_memory(monkeypatch):
+  monkeypatch.setattr(model_lib, "_has_host_offload", lambda: False)
+  with pytest.raises(ValueError, match="GPTConfig.remat_policy='offload_dots' needs a 'pinned_host'"):
+    dataclasses.replace(CFG, remat_policy="offload_dots").validate()
