@@ -79,14 +79,20 @@ def resolve_model_config(model_config: model_lib.GPTConfig, manifest: dict, mesh
   return cfg
 
 
-def validate_layout(config: TrainConfig, mesh) -> None:
-  """Errors a user can act on, raised before anything compiles."""
+def validate_layout(config: TrainConfig, mesh, model_config: Optional[model_lib.GPTConfig] = None) -> None:
+  """Errors a user can act on, raised before anything compiles.
+
+  Given the resolved model config it also checks that heads, MLP width, vocabulary and d_model split
+  over `tensor`/`fsdp`, layers over `pipeline`, and each step's rows into pipeline microbatches.
+  """
   rows = mesh_lib.data_parallel_size(mesh) * config.num_microbatches
   if config.batch_size % rows:
     raise ValueError(f"BATCH_SIZE={config.batch_size} is not divisible by data×fsdp×NUM_MICROBATCHES = "
                      f"{mesh.shape['data']}×{mesh.shape['fsdp']}×{config.num_microbatches} = {rows}")
   if config.batch_size % jax.process_count():
     raise ValueError(f"BATCH_SIZE={config.batch_size} is not divisible by {jax.process_count()} processes")
+  if model_config is not None:
+    partitioning.check_layout(model_config, mesh.shape, config.batch_size, config.num_microbatches)
 
 
 class Experiment:

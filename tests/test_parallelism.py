@@ -231,3 +231,12 @@ def test_offload_is_refused_where_the_backend_has_no_host_memory(monkeypatch):
   monkeypatch.setattr(model_lib, "_has_host_offload", lambda: False)
   with pytest.raises(ValueError, match="GPTConfig.remat_policy='offload_dots' needs a 'pinned_host'"):
     dataclasses.replace(CFG, remat_policy="offload_dots").validate()
+
+
+def test_trainer_validate_layout_applies_the_model_checks():
+  from t5x_like import trainer  # pylint: disable=g-import-not-at-top  (imports TensorFlow)
+  mesh = mesh_lib.create_mesh({"tensor": 8})
+  config = trainer.TrainConfig(batch_size=BATCH, mesh_shape={"tensor": 8})
+  trainer.validate_layout(config, mesh, CFG)
+  with pytest.raises(ValueError, match="GPTConfig.num_heads=4 is not divisible by MESH_SHAPE"):
+    trainer.validate_layout(config, mesh, dataclasses.replace(CFG, num_heads=4))
