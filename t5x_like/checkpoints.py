@@ -36,9 +36,19 @@ class DataIteratorHandler(ocp.CheckpointHandler):
 
   def restore(self, directory: epath.Path, args: "DataIteratorRestore") -> Any:
     prefix = os.path.join(os.fspath(directory), f"process_{jax.process_index()}-of-{jax.process_count()}")
-    if not tf.io.gfile.exists(prefix + ".index"):
-      raise FileNotFoundError(f"no data-iterator state {prefix}.index (saved with another process count?)")
-    tf.train.Checkpoint(iterator=args.iterator).read(prefix).assert_consumed()
+    if tf.io.gfile.exists(prefix + ".index"):
+      tf.train.Checkpoint(iterator=args.iterator).read(prefix).assert_consumed()
+      return args.iterator
+    saved = tf.io.gfile.glob(os.path.join(os.fspath(directory), "process_*.index"))
+    if not saved:
+      raise FileNotFoundError(f"no data-iterator state in {directory}")
+    # Saved by another number of processes: the streams are deterministic, so replay one batch per
+    # step to the same position (exact, and costs reading `step` batches once).
+    step = int(epath.Path(directory).parent.name)
+    logging.warning("data-iterator state in %s was written by %d process(es), this run has %d: replaying "
+                    "%d batches to reach the same position", directory, len(saved), jax.process_count(), step)
+    for _ in range(step):
+      next(args.iterator)
     return args.iterator
 
   def structure(self, directory):  # pragma: no cover - orbax introspection hook
