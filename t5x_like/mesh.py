@@ -4,6 +4,7 @@ import math
 from typing import Mapping, Optional, Sequence
 
 import jax
+from jax.experimental import mesh_utils
 import numpy as np
 
 AXES = ("pipeline", "data", "fsdp", "tensor")  # outermost first; tensor innermost (fastest links)
@@ -39,18 +40,56 @@ def resolve_mesh_shape(mesh_shape: Mapping[str, int], num_devices: int) -> dict:
   return shape
 
 
+def split_over_granules(shape: Mapping[str, int], num_granules: int) -> tuple:
+  """(per-granule shape, across-granule shape), each a dict over AXES: the slower links between
+  granules (slices over DCN, or hosts over the network) go to the outermost axes first.
+
+  Example: {'pipeline': 2, 'data': 4, 'fsdp': 2, 'tensor': 8} over 4 slices → across: pipeline 2,
+  data 2; within a slice: data 2, fsdp 2, tensor 8.
+
+  Raises:
+    ValueError: when the outer axes cannot absorb `num_granules` (it would split `tensor` over DCN).
+  """
+  across, left = {}, num_granules
+  for name in AXES:
+    across[name] = math.gcd(shape[name], left) if name != "tensor" else 1
+    left //= across[name]
+  if left != 1:
+    raise ValueError(f"MESH_SHAPE {dict(shape)} cannot spread {num_granules} slices/hosts over its outer axes "
+                     f"(pipeline, data, fsdp): make their product a multiple of {num_granules}")
+  return {name: shape[name] // across[name] for name in AXES}, across
+
+
+def _num_granules(devices: Sequence[jax.Device]) -> tuple:
+  """(granules, process_is_granule): TPU slices, or GPU hosts; 1 where one fast fabric joins all."""
+  slices = {getattr(d, "slice_index", 0) for d in devices}
+  if len(slices) > 1:
+    return len(slices), False
+  processes = {d.process_index for d in devices}
+  if len(processes) > 1 and devices[0].platform == "gpu":
+    return len(processes), True
+  return 1, False
+
+
 def create_mesh(mesh_shape: Mapping[str, int], devices: Optional[Sequence[jax.Device]] = None) -> jax.sharding.Mesh:
   """A mesh with Auto axis types, ordered so `tensor` spans the closest devices.
 
-  On one host `jax.make_mesh` orders devices by the physical topology (ICI rings on TPU). With several
-  processes, the outer axes (pipeline, data) are laid across hosts and the inner ones (fsdp, tensor)
-  within a host where they fit, so the chattiest collectives stay on NVLink/ICI.
+  Within one slice (any number of TPU hosts) `jax.make_mesh` orders devices by the physical topology
+  (ICI rings). Across TPU slices, or GPU hosts, `create_hybrid_device_mesh` puts the outer axes
+  (pipeline, then data, then fsdp) over the slow DCN/network links and keeps `tensor` and the rest
+  within a slice/host (`split_over_granules`), so the chattiest collectives stay on ICI/NVLink.
   """
   devices = list(devices) if devices is not None else jax.devices()
   shape = resolve_mesh_shape(mesh_shape, len(devices))
   sizes = tuple(shape[name] for name in AXES)
   axis_types = (jax.sharding.AxisType.Auto,) * len(AXES)
   if devices == jax.devices():
+    granules, process_is_granule = _num_granules(devices)
+    if granules > 1:  # multi-slice TPU / multi-node GPU: DCN axes outermost, ICI/NVLink inside
+      within, across = split_over_granules(shape, granules)
+      ordered = mesh_utils.create_hybrid_device_mesh([within[n] for n in AXES], [across[n] for n in AXES],
+                                                     devices, process_is_granule=process_is_granule)
+      return jax.sharding.Mesh(ordered, AXES, axis_types=axis_types)
     return jax.make_mesh(sizes, AXES, axis_types=axis_types)
   # An explicit device list (tests, sub-meshes): keep the caller's order, process-major.
   ordered = sorted(devices, key=lambda d: (d.process_index, d.id))

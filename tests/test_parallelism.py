@@ -240,3 +240,18 @@ def test_trainer_validate_layout_applies_the_model_checks():
   trainer.validate_layout(config, mesh, CFG)
   with pytest.raises(ValueError, match="GPTConfig.num_heads=4 is not divisible by MESH_SHAPE"):
     trainer.validate_layout(config, mesh, dataclasses.replace(CFG, num_heads=4))
+
+
+@pytest.mark.parametrize("shape, granules, within, across", [
+    ({"pipeline": 2, "data": 4, "fsdp": 2, "tensor": 8}, 4, (1, 2, 2, 8), (2, 2, 1, 1)),
+    ({"pipeline": 1, "data": 1, "fsdp": 16, "tensor": 8}, 2, (1, 1, 8, 8), (1, 1, 2, 1)),
+    ({"pipeline": 1, "data": 6, "fsdp": 4, "tensor": 8}, 4, (1, 3, 2, 8), (1, 2, 2, 1)),
+])
+def test_slow_links_go_to_the_outer_axes(shape, granules, within, across):
+  inner, outer = mesh_lib.split_over_granules(shape, granules)
+  assert tuple(inner.values()) == within and tuple(outer.values()) == across
+
+
+def test_tensor_is_never_split_over_slices():
+  with pytest.raises(ValueError, match="cannot spread 4 slices"):
+    mesh_lib.split_over_granules({"pipeline": 1, "data": 2, "fsdp": 1, "tensor": 8}, 4)
