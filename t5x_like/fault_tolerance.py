@@ -213,10 +213,11 @@ class RunGuard:
     nonfinite_action: "stop" (raise NonFiniteError) or "rollback" (restore the last checkpoint's
       state and continue with the data after the offending batches).
     max_failed_saves: consecutive failed saves tolerated; one more stops the run.
+    debug_nan_steps: tests only: steps whose batch `poison` fills with NaN loss weights.
   """
 
   def __init__(self, manager, abstract_state, *, nonfinite_patience: int, nonfinite_action: str,
-               max_failed_saves: int):
+               max_failed_saves: int, debug_nan_steps=()):
     if nonfinite_action not in ("stop", "rollback"):
       raise ValueError(f"TrainConfig.nonfinite_action must be 'stop' or 'rollback', got {nonfinite_action!r}")
     self.manager, self.abstract_state, self.action = manager, abstract_state, nonfinite_action
@@ -224,6 +225,7 @@ class RunGuard:
     self.nonfinite = NonFiniteMonitor(nonfinite_patience)
     self.saver = Saver(manager, max_failed_saves)
     self.rollbacks = 0
+    self._poison = set(debug_nan_steps or ())
 
   def __enter__(self):
     self.preemption.__enter__()
@@ -236,6 +238,15 @@ class RunGuard:
         self.manager.wait_until_finished()
       except Exception as e:  # pylint: disable=broad-except
         logging.error("the checkpoint being written when the run stopped failed: %s", e)
+
+  def poison(self, batch: dict, step: int) -> dict:
+    """Test hook: NaN loss weights for the batch of `step` in debug_nan_steps, the first time that step
+    runs (a replay after a rollback draws new batches, as a bad record in the data would not recur)."""
+    if step not in self._poison:
+      return batch
+    self._poison.discard(step)
+    logging.warning("step %d: poisoning the batch with NaN weights (TrainConfig.debug_nan_steps)", step)
+    return dict(batch, weights=np.full_like(batch["weights"], np.nan))
 
   def after_step(self, step: int, step_metrics) -> bool:
     """True when the caller must roll back (`rollback`); raises NonFiniteError under "stop"."""
@@ -300,9 +311,3 @@ def warm_start(state, source: str, abstract_state, with_optimizer: bool):
   return state
 
 
-def poison_batch(batch: dict, step: int, steps) -> dict:
-  """Test hook: NaN loss weights for the batch of each (1-based) step in `steps`."""
-  if steps and step in steps:
-    logging.warning("step %d: poisoning the batch with NaN weights (TrainConfig.debug_nan_steps)", step)
-    batch = dict(batch, weights=np.full_like(batch["weights"], np.nan))
-  return batch

@@ -230,7 +230,8 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
   checkpoints.check_resume_metadata(saved_metadata, metadata)
   guard = fault_tolerance.RunGuard(manager, abstract, nonfinite_patience=config.nonfinite_patience,
                                    nonfinite_action=config.nonfinite_action,
-                                   max_failed_saves=config.max_failed_saves)
+                                   max_failed_saves=config.max_failed_saves,
+                                   debug_nan_steps=config.debug_nan_steps)
 
   step_fn = exp.jit_train_step()
   eval_fn = exp.jit_eval_step()
@@ -245,8 +246,7 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
     while step < config.train_steps:
       profiler.before_step(step + 1)
       meter.begin_step()
-      batch = fault_tolerance.poison_batch(global_batch.tf_to_numpy(next(train_iter)), step + 1,
-                                           config.debug_nan_steps)
+      batch = guard.poison(global_batch.tf_to_numpy(next(train_iter)), step + 1)  # debug_nan_steps only
       batch = global_batch.to_global(batch, exp.batch_sharding)
       meter.data_ready()
       state, step_metrics = step_fn(state, batch)

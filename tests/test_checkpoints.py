@@ -1,0 +1,234 @@
+"""Checkpoints: reshard on restore, corrupt-step fallback, failed saves keep the last good step, CLI, warm start."""
+
+import errno
+import functools
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from t5x_like import checkpoints
+from t5x_like import checkpoints_cli
+from t5x_like import fault_tolerance
+from t5x_like import mesh as mesh_lib
+from t5x_like import model as model_lib
+from t5x_like import optimizer as optimizer_lib
+from t5x_like import partitioning
+from t5x_like import train_state as train_state_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA8 = {"pipeline": 1, "data": 8, "fsdp": 1, "tensor": 1}
+FSDP4_TENSOR2 = {"pipeline": 1, "data": 1, "fsdp": 4, "tensor": 2}
+CONFIG = model_lib.GPTConfig(vocab_size=128, max_len=16, num_layers=2, num_heads=2, d_model=32, d_ff=64)
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_state(mesh_items, seed):
+  mesh = mesh_lib.create_mesh(dict(mesh_items))
+  model = model_lib.GPT(CONFIG)
+  tx = optimizer_lib.make_optimizer(optimizer_lib.OptimizerConfig(), 10)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.DEFAULT_RULES):
+    abstract, shardings = train_state_lib.state_shardings(model, tx, mesh)
+    state, _ = train_state_lib.init_state(model, tx, jax.random.key(seed), mesh)
+  return state, checkpoints.abstract_with_shardings(abstract, shardings)
+
+
+def sharded_state(mesh_shape, seed=0):
+  """(TrainState initialised into the mesh's shardings, its abstract tree with shardings); cached."""
+  return _sharded_state(tuple(mesh_shape.items()), seed)
+
+
+def host(tree):
+  return jax.tree.map(np.asarray, tree)
+
+
+def assert_trees_equal(a, b):
+  jax.tree.map(np.testing.assert_array_equal, host(a), host(b))
+
+
+class _Iterator(tf.Module):  # stands in for the tf.data iterator: trackable by tf.train.Checkpoint
+  def __init__(self):
+    super().__init__()
+    self.position = tf.Variable(0, dtype=tf.int64)
+
+
+def test_reshard_on_restore_data8_to_fsdp4_tensor2(tmp_path):
+  state, _ = sharded_state(DATA8)
+  manager = checkpoints.make_manager(str(tmp_path), async_save=True)
+  assert checkpoints.save(manager, 7, state, metadata={"step": 7})
+  manager.close()
+  digest = checkpoints.params_digest(state.params)
+
+  _, abstract = sharded_state(FSDP4_TENSOR2, seed=1)
+  step, restored, metadata = checkpoints.restore_latest(checkpoints.make_manager(str(tmp_path)), abstract)
+  assert (step, metadata) == (7, {"step": 7})
+  assert_trees_equal(restored, state)
+  kernel = restored.params["blocks"]["mlp_in"]["kernel"]  # (layers, embed→fsdp, mlp→tensor)
+  assert kernel.sharding.spec == abstract.params["blocks"]["mlp_in"]["kernel"].sharding.spec
+  assert kernel.sharding.mesh.shape["fsdp"] == 4 and kernel.sharding.mesh.shape["tensor"] == 2
+  assert len({str(s.index) for s in kernel.addressable_shards}) == 8  # really split 4×2
+  assert checkpoints.params_digest(restored.params) == digest  # the digest ignores the layout
+
+
+def _corrupt(step_path, how):
+  files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_path, "state")) for f in fs]
+  for f in files:
+    if how == "truncate" and ("/d/" in f or f.endswith("manifest.ocdbt")):
+      with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) // 2)
+    elif how == "garbage" and f.endswith("_METADATA"):
+      with open(f, "w") as fh:
+        fh.write("{not json")
+
+
+@pytest.mark.parametrize("how", ["truncate", "garbage"])
+def test_corrupt_latest_falls_back_reports_and_moves_it_aside(tmp_path, caplog, how):
+  state, abstract = sharded_state(DATA8)
+  manager = checkpoints.make_manager(str(tmp_path), max_to_keep=None, async_save=False)
+  for step in (1, 2, 3):
+    checkpoints.save(manager, step, state.replace(step=state.step + step), _Iterator(), {"step": step})
+  _corrupt(os.path.join(checkpoints.checkpoint_dir(str(tmp_path)), "3"), how)
+
+  step, restored, metadata = checkpoints.restore_latest(manager, abstract, _Iterator(), quarantine=True)
+  assert step == 2 and metadata == {"step": 2} and int(restored.step) == 2
+  assert "checkpoint step 3" in caplog.text and "unreadable" in caplog.text  # reported
+  assert checkpoints.committed_steps(str(tmp_path)) == [1, 2]
+  assert os.listdir(os.path.join(str(tmp_path), checkpoints.CORRUPT_DIR))[0].startswith("3-")
+  assert checkpoints.save(manager, 3, state, _Iterator(), {"step": 3})  # step 3 can be written again
+
+
+def test_unrestorable_checkpoints_raise_instead_of_starting_over(tmp_path):
+  state, _ = sharded_state(DATA8)
+  manager = checkpoints.make_manager(str(tmp_path), async_save=False)
+  checkpoints.save(manager, 5, state)
+  other = jax.tree.map(lambda a: jax.ShapeDtypeStruct((3,) + a.shape, a.dtype), state)  # another model
+  with pytest.raises(checkpoints.NoUsableCheckpointError, match=r"step\(s\) \[5\] but none restores"):
+    checkpoints.restore_latest(manager, other, quarantine=True)
+  assert checkpoints.committed_steps(str(tmp_path)) == [5]  # nothing moved or deleted
+
+
+def test_keep_last_k_plus_every_mth(tmp_path):
+  manager = checkpoints.make_manager(str(tmp_path), max_to_keep=2, keep_period=4, async_save=True)
+  for step in range(1, 11):
+    checkpoints.save(manager, step, {"w": np.full((4,), step, np.float32)})
+  manager.close()
+  assert checkpoints.committed_steps(str(tmp_path)) == [4, 8, 9, 10]
+
+
+def test_failed_save_is_reported_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, caplog):
+  """A write that fails (ENOSPC) leaves the previous step restorable; too many failures stop the run."""
+  manager = checkpoints.make_manager(str(tmp_path), max_to_keep=1, async_save=False)
+  saver = fault_tolerance.Saver(manager, max_failures=1)
+  state = {"w": np.arange(8, dtype=np.float32)}
+  saver.save(1, state, _Iterator(), {})
+  saver.save(2, state, _Iterator(), {})
+  real_write = tf.train.Checkpoint.write
+
+  def full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+  monkeypatch.setattr(tf.train.Checkpoint, "write", full_disk)
+  saver.save(3, state, _Iterator(), {})  # reported, run goes on
+  assert "checkpoint save at step 3 FAILED" in caplog.text and "newest committed checkpoint is step 2" in caplog.text
+  assert checkpoints.committed_steps(str(tmp_path)) == [2]
+  assert not [n for n in os.listdir(checkpoints.checkpoint_dir(str(tmp_path))) if "tmp" in n]
+  with pytest.raises(fault_tolerance.CheckpointSaveError, match="2 checkpoint saves in a row failed") as info:
+    saver.save(4, state, _Iterator(), {})
+  assert info.value.exit_code == fault_tolerance.EXIT_SAVE_FAILED == 74
+  monkeypatch.setattr(tf.train.Checkpoint, "write", real_write)
+  step, restored, _ = checkpoints.restore_latest(checkpoints.make_manager(str(tmp_path)),
+                                                 {"w": np.zeros(8, np.float32)}, _Iterator())
+  assert step == 2
+  np.testing.assert_array_equal(restored["w"], state["w"])
+
+
+def _mount_tmpfs(path, size):
+  os.makedirs(path)
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
+                    capture_output=True).returncode:
+    pytest.skip("cannot mount a small tmpfs here (needs root); the simulated ENOSPC test covers the logic")
+
+
+def test_full_disk_async_save_keeps_last_good_and_final_save_error(tmp_path):
+  """A real full file system: the async write fails in the background, is reported at the next save."""
+  root = str(tmp_path / "small")
+  _mount_tmpfs(root, "1m")
+  try:
+    manager = checkpoints.make_manager(root, max_to_keep=1, async_save=True)
+    saver = fault_tolerance.Saver(manager, max_failures=5)
+    saver.save(1, {"w": np.ones(16, np.float32)}, None, {})
+    big = {"w": np.random.default_rng(0).random(1 << 19).astype(np.float32)}  # 2 MB, incompressible
+    saver.save(2, big, None, {})
+    with pytest.raises(fault_tolerance.CheckpointSaveError, match=r"final checkpoint \(step 2\)"):
+      saver.finish(2)
+    assert saver.failures == 1 and checkpoints.committed_steps(root) == [1]
+    manager.close()
+    step, restored, _ = checkpoints.restore_latest(checkpoints.make_manager(root), {"w": np.zeros(16, np.float32)})
+    assert step == 1 and restored["w"].sum() == 16
+  finally:
+    subprocess.run(["umount", root], check=False)
+
+
+def test_read_only_model_dir_is_a_clear_error_and_loses_nothing(tmp_path):
+  model_dir = str(tmp_path / "run")
+  manager = checkpoints.make_manager(model_dir, async_save=False)
+  checkpoints.save(manager, 1, {"w": np.ones(4, np.float32)})
+  if os.geteuid() == 0:
+    locked = subprocess.run(["chattr", "+i", model_dir], capture_output=True).returncode == 0
+    unlock = ["chattr", "-i", model_dir]
+  else:
+    os.chmod(model_dir, 0o555)
+    locked, unlock = True, ["chmod", "755", model_dir]
+  if not locked:
+    pytest.skip("cannot make a directory read-only here")
+  try:
+    with pytest.raises(fault_tolerance.CheckpointSaveError,
+                       match=r"MODEL_DIR '.*/run' is not writable \(.*\): no checkpoint could be saved") as info:
+      fault_tolerance.check_writable(model_dir)
+    assert info.value.exit_code == 74
+  finally:
+    subprocess.run(unlock, check=True)
+  assert checkpoints.restore_latest(manager, {"w": np.zeros(4, np.float32)})[0] == 1
+
+
+def test_warm_start_takes_params_and_optionally_optimizer_state(tmp_path):
+  source, _ = sharded_state(DATA8, seed=3)
+  manager = checkpoints.make_manager(str(tmp_path), async_save=False)
+  checkpoints.save(manager, 9, source.replace(step=source.step + 9))
+  fresh, abstract = sharded_state(FSDP4_TENSOR2, seed=4)
+  warm = fault_tolerance.warm_start(fresh, str(tmp_path), abstract, with_optimizer=False)
+  assert_trees_equal(warm.params, source.params)
+  assert_trees_equal(warm.opt_state, fresh.opt_state) and int(warm.step) == 0
+  path = os.path.join(checkpoints.checkpoint_dir(str(tmp_path)), "9")
+  warm = fault_tolerance.warm_start(fresh, path, abstract, with_optimizer=True)
+  assert_trees_equal(warm.opt_state, source.opt_state) and int(warm.step) == 0
+
+
+def test_cli_list_inspect_digest_and_errors(tmp_path, capsys, monkeypatch):
+  state, _ = sharded_state(DATA8)
+  manager = checkpoints.make_manager(str(tmp_path), async_save=False)
+  checkpoints.save(manager, 4, state, metadata=checkpoints.run_metadata(
+      mesh_shape=DATA8, data_dir="", gin_config="x = 1", step=4))
+  assert checkpoints_cli.main(["list", str(tmp_path)]) == 0
+  out = capsys.readouterr().out
+  assert "step 4: mesh={'pipeline': 1, 'data': 8, 'fsdp': 1, 'tensor': 1}" in out and "[4]" in out
+  assert checkpoints_cli.main(["inspect", str(tmp_path), "--step", "4"]) == 0
+  out = capsys.readouterr().out
+  assert "params/blocks/mlp_in/kernel" in out and "(2, 32, 64)" in out and "'fsdp', 'tensor'" in out
+  assert '"code_version": "0.1.0' in out
+
+  run = lambda *args: subprocess.run([sys.executable, "-m", "t5x_like.checkpoints", *args], cwd=REPO,
+                                     capture_output=True, text=True, env=dict(os.environ, XLA_FLAGS=""))
+  digest = run("digest", str(tmp_path))
+  assert digest.returncode == 0, digest.stderr
+  assert digest.stdout.strip().splitlines()[-1] == checkpoints.params_digest(state.params)
+  monkeypatch.setattr(sys, "argv", ["checkpoints", "digest", str(tmp_path), "--step", "5"])
+  with pytest.raises(SystemExit) as exit_info:
+    checkpoints_cli.run()
+  assert exit_info.value.code == 1
+  assert capsys.readouterr().err.strip().splitlines()[-1] == (
+      f"error: no committed checkpoint step 5 in {tmp_path}/checkpoints (steps: [4])")

@@ -1,0 +1,197 @@
+"""Fault tolerance: exact resume after kill -9 and SIGTERM, non-finite steps skipped / stopped / rolled back."""
+
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from t5x_like import checkpoints
+from t5x_like import fault_tolerance
+from t5x_like import metrics as metrics_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = {"model.GPTConfig.num_layers": 1, "model.GPTConfig.d_model": 32, "model.GPTConfig.num_heads": 2,
+        "model.GPTConfig.d_ff": 64, "model.GPTConfig.max_len": 32}
+STEPS = 60  # long enough (a few seconds of stepping) to be interrupted at a random step
+
+
+def make_corpus(directory) -> str:
+  """A small generated corpus (the generator of shared/checks/contracts.sh) preprocessed into a DATA_DIR."""
+  from t5x_like import preprocess  # pylint: disable=g-import-not-at-top
+  raw = directory / "raw"
+  raw.mkdir()
+  rng = random.Random(0)
+  subj = ["the trainer", "a shard", "the mesh", "every host", "the optimizer", "a checkpoint"]
+  verb = ["reads", "writes", "shards", "restores", "packs", "streams"]
+  obj = ["tokens", "parameters", "batches", "gradients", "records", "layers"]
+  for f in range(6):
+    with open(raw / f"doc{f}.txt", "w") as out:
+      for _ in range(200):
+        out.write(" ".join([rng.choice(subj), rng.choice(verb), rng.choice(obj)]) + ".\n")
+  data_dir = str(directory / "ds")
+  preprocess.preprocess([str(raw / "*.txt")], data_dir, vocab_size=300, num_train_shards=4,
+                        validation_fraction=0.2, num_workers=1, progress=False)
+  return data_dir
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return make_corpus(tmp_path_factory.mktemp("ft_data"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# In-process: the non-finite guard and its policies.
+
+
+def _train(model_dir, data_dir, **overrides):
+  from t5x_like import model, optimizer, trainer  # pylint: disable=g-import-not-at-top
+  config = trainer.TrainConfig(model_dir=str(model_dir), data_dir=data_dir, train_steps=6, batch_size=8,
+                               seq_len=16, log_every=1, eval_every=0, eval_batches=1, checkpoint_every=2,
+                               shuffle_buffer=64, async_checkpoints=False)
+  config = dataclasses.replace(config, **overrides)
+  model_config = model.GPTConfig(**{k.split(".")[-1]: v for k, v in TINY.items()})
+  opt = optimizer.OptimizerConfig(learning_rate=1e-2, warmup_steps=0)
+  return trainer.train(config, model_config, opt)
+
+
+def _records(model_dir):
+  return [r for r in metrics_lib.read_metrics(str(model_dir)) if "loss" in r]
+
+
+def test_nonfinite_monitor_counts_streaks_one_step_late():
+  monitor = fault_tolerance.NonFiniteMonitor(patience=2)
+  assert monitor.observe(1, 0) is None
+  assert monitor.observe(2, 1) is None  # step 1 resolved: fine
+  assert monitor.observe(3, 0) is None  # step 2 bad: 1 in a row
+  assert monitor.observe(4, 1) is None  # step 3 good: streak reset
+  assert monitor.observe(5, 1) is None  # step 4 bad: 1
+  assert monitor.flush() == 5  # step 5 bad: 2 in a row → patience reached
+  assert monitor.total == 3
+
+
+def test_nonfinite_streak_stops_with_a_clear_message(tmp_path):
+  manager = checkpoints.make_manager(str(tmp_path), async_save=False)
+  guard = fault_tolerance.RunGuard(manager, None, nonfinite_patience=2, nonfinite_action="stop",
+                                   max_failed_saves=0)
+  for step, flag in [(1, 0), (2, 1), (3, 1)]:
+    assert not guard.after_step(step, {"nonfinite": flag})
+  with pytest.raises(fault_tolerance.NonFiniteError, match=r"^2 consecutive non-finite steps ending at "
+                     r"step 3 \(TrainConfig.nonfinite_patience=2\): stopped; lower the learning rate") as info:
+    guard.after_step(4, {"nonfinite": 0})
+  assert info.value.exit_code == fault_tolerance.EXIT_NONFINITE == 65
+
+
+def test_nan_batch_skipped_then_streak_rolls_back_and_skips_batches(tmp_path, data_dir, caplog):
+  """Step 2 alone is poisoned: skipped, run continues. Steps 5, 6 in a row (patience 2): detected after
+  step 7, rolled back to the step-4 checkpoint, and 5..8 rerun on the batches after the bad ones."""
+  model_dir = tmp_path / "run"
+  _train(model_dir, data_dir, train_steps=8, checkpoint_every=4, debug_nan_steps=(2, 5, 6),
+         nonfinite_patience=2, nonfinite_action="rollback")
+  records = _records(model_dir)
+  assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 5, 6, 7, 8]
+  assert [r["nonfinite_steps"] for r in records] == [0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0]
+  assert records[1]["loss"] == "nan" and records[1]["param_norm"] == records[0]["param_norm"]  # not updated
+  assert records[2]["param_norm"] != records[1]["param_norm"]  # the run went on training
+  assert all(np.isfinite(r["loss"]) for r in records[7:])
+  assert records[7]["param_norm"] != records[4]["param_norm"]  # step 5 redone on another batch
+  assert "rolled back to step 4" in caplog.text
+  assert checkpoints.committed_steps(str(model_dir))[-1] == 8
+
+
+# ----------------------------------------------------------------------------------------------------
+# End to end: `python -m t5x_like.train` killed and relaunched gives the uninterrupted run bit for bit.
+
+
+def _launch(model_dir, data_dir, cache_dir, steps=STEPS):
+  args = [sys.executable, "-m", "t5x_like.train", "--gin_file=configs/models/gpt_tiny.gin",
+          "--gin_file=configs/runs/pretrain.gin", f"--gin.MODEL_DIR='{model_dir}'",
+          f"--gin.DATA_DIR='{data_dir}'", f"--gin.TRAIN_STEPS={steps}", "--gin.LOG_EVERY=1",
+          "--gin.EVAL_EVERY=0", "--gin.CHECKPOINT_EVERY=4", "--gin.BATCH_SIZE=8", "--gin.SEQ_LEN=16",
+          "--gin.MESH_SHAPE={'pipeline': 1, 'data': 2, 'fsdp': 1, 'tensor': 1}",
+          "--gin.trainer.TrainConfig.eval_batches=1", "--gin.trainer.TrainConfig.shuffle_buffer=64",
+          "--gin.optimizer.OptimizerConfig.warmup_steps=5"]
+  args += [f"--gin.{k}={v}" for k, v in TINY.items()]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+             TF_CPP_MIN_LOG_LEVEL="3", JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  log = open(os.path.join(os.path.dirname(model_dir), os.path.basename(model_dir) + ".log"), "ab")
+  return subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _logged_steps(model_dir) -> list:
+  try:
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+      return [json.loads(line)["step"] for line in f if line.endswith("\n")]
+  except (OSError, ValueError):
+    return []
+
+
+def _interrupt(model_dir, data_dir, cache_dir, at_step: int, sig) -> int:
+  """Launches a run and sends it `sig` once this launch has logged a step ≥ at_step; returns the exit code."""
+  seen = len(_logged_steps(model_dir))
+  proc = _launch(model_dir, data_dir, cache_dir)
+  deadline = time.time() + 240
+  while max(_logged_steps(model_dir)[seen:], default=0) < at_step and proc.poll() is None:
+    assert time.time() < deadline, "the run made no progress"
+    time.sleep(0.02)
+  if proc.poll() is None:
+    proc.send_signal(sig)
+  return proc.wait(timeout=240)
+
+
+def _losses(model_dir) -> dict:
+  """{step: [loss, ...]}: a step logged twice (killed after logging, before its checkpoint) keeps both."""
+  out = {}
+  for r in _records(model_dir):
+    out.setdefault(r["step"], []).append(r["loss"])
+  return out
+
+
+def _assert_same_run(model_dir, reference):
+  losses, ref = _losses(model_dir), _losses(reference)
+  assert sorted(losses) == sorted(ref) == list(range(1, STEPS + 1))
+  for step, values in losses.items():
+    assert all(v == ref[step][0] for v in values), (step, values, ref[step])  # bit for bit
+  digest = checkpoints.params_digest(checkpoints.restore_params(str(model_dir))[1])
+  assert digest == checkpoints.params_digest(checkpoints.restore_params(str(reference))[1])
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, data_dir):
+  """The uninterrupted run (and a warm JAX compilation cache for the interrupted ones)."""
+  base = tmp_path_factory.mktemp("ft_e2e")
+  model_dir = str(base / "reference")
+  assert _launch(model_dir, data_dir, base / "jax_cache").wait(timeout=300) == 0
+  return base, model_dir
+
+
+def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, data_dir):
+  base, reference = reference_run
+  model_dir = str(base / "sigterm")
+  code = _interrupt(model_dir, data_dir, base / "jax_cache", 10, signal.SIGTERM)
+  assert code == fault_tolerance.EXIT_PREEMPTED
+  stopped_at = max(_logged_steps(model_dir))
+  assert 10 <= stopped_at < STEPS
+  assert checkpoints.committed_steps(model_dir)[-1] == stopped_at  # saved at the signal's step
+  assert "SIGTERM at step" in open(model_dir + ".log").read()
+  assert _launch(model_dir, data_dir, base / "jax_cache").wait(timeout=300) == 0
+  _assert_same_run(model_dir, reference)
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_steps_then_resume_is_bit_identical(reference_run, data_dir):
+  base, reference = reference_run
+  model_dir = str(base / "killed")
+  kill_steps = [random.Random(seed).randint(2, STEPS - 8) for seed in (1, 2, 3)]
+  for at in kill_steps:  # three kills (seeds 1..3) in one run: each relaunch resumes the previous
+    code = _interrupt(model_dir, data_dir, base / "jax_cache", at, signal.SIGKILL)
+    assert code == -signal.SIGKILL, f"the run ended ({code}) before step {at}"
+  assert _launch(model_dir, data_dir, base / "jax_cache").wait(timeout=300) == 0
+  _assert_same_run(model_dir, reference)
