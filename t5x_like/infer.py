@@ -16,16 +16,20 @@ from t5x_like import sampling
 from t5x_like import tokenizer as tokenizer_lib
 from t5x_like import trainer
 
-gin_utils.define_gin_flags()
-flags.DEFINE_multi_string("prompt", [], "Prompt text; repeat the flag for a batch of prompts.")
-flags.DEFINE_string("prompt_file", None, "A file with one prompt per line (added to --prompt).")
-flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate after each prompt.")
-flags.DEFINE_float("temperature", 0.0, "0 = greedy; otherwise softmax temperature.")
-flags.DEFINE_integer("top_k", 0, "Sample only among the k most likely tokens (0 = all).")
-flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set of tokens with this much probability.")
-flags.DEFINE_integer("seed", 0, "Sampling seed.")
-flags.DEFINE_integer("step", None, "Checkpoint step to load (default: the newest good one).")
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The CLI's flags; defined only when run as a program, so other entry points can import load_params."""
+  gin_utils.define_gin_flags()
+  flags.DEFINE_multi_string("prompt", [], "Prompt text; repeat the flag for a batch of prompts.")
+  flags.DEFINE_string("prompt_file", None, "A file with one prompt per line (added to --prompt).")
+  flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate after each prompt.")
+  flags.DEFINE_float("temperature", 0.0, "0 = greedy; otherwise softmax temperature.")
+  flags.DEFINE_integer("top_k", 0, "Sample only among the k most likely tokens (0 = all).")
+  flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set of tokens with this much probability.")
+  flags.DEFINE_integer("seed", 0, "Sampling seed.")
+  flags.DEFINE_integer("step", None, "Checkpoint step to load (default: the newest good one).")
 
 
 def load_params(exp: trainer.Experiment, step=None):
@@ -65,9 +69,12 @@ def main(argv):
                             max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
                             top_k=FLAGS.top_k, top_p=FLAGS.top_p, eos_id=tok.eos_id, pad_id=tok.pad_id)
   print(f"# checkpoint step {step}", flush=True)
-  for prompt, row in zip(prompts, np.asarray(out)):
+  for i, (prompt, row) in enumerate(zip(prompts, np.asarray(out))):
+    if len(prompts) > 1:  # a continuation may span lines: mark where each sample starts
+      print(f"# sample {i + 1}/{len(prompts)}", flush=True)
     print(prompt + tok.decode([int(t) for t in row]), flush=True)
 
 
 if __name__ == "__main__":
+  define_flags()
   gin_utils.run(main)

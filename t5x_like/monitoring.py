@@ -1,9 +1,11 @@
 """Optional Prometheus endpoint: the figures of each log step as gauges at http://HOST:PORT/metrics."""
 
+import threading
 from typing import Mapping
 
 from absl import logging
 import prometheus_client
+from prometheus_client.core import GaugeMetricFamily
 
 # gauge name → (help text, key in the logged scalars). Names follow Prometheus conventions (base units).
 GAUGES = {
@@ -37,15 +39,18 @@ GAUGES = {
 class PrometheusExporter:
   """Serves the latest logged scalars as gauges; its own registry, so several can coexist in a process.
 
+  A scrape sees one consistent snapshot: all gauges as of the same `update` call.
+
   Args:
     port: TCP port to listen on (0 picks a free one; see `.port`).
     host: address to bind; 127.0.0.1 keeps the endpoint private to the machine.
   """
 
   def __init__(self, port: int, host: str = "127.0.0.1"):
+    self._lock = threading.Lock()
+    self._values = {}
     self.registry = prometheus_client.CollectorRegistry()
-    self._gauges = {name: prometheus_client.Gauge(name, text, registry=self.registry)
-                    for name, (text, _) in GAUGES.items()}
+    self.registry.register(self)
     try:
       self._server, self._thread = prometheus_client.start_http_server(port, addr=host,
                                                                        registry=self.registry)
@@ -58,10 +63,17 @@ class PrometheusExporter:
   def update(self, scalars: Mapping[str, float], **more: float) -> None:
     """Sets the gauges whose keys appear in `scalars` or `more` (e.g. step=, train_steps=)."""
     values = {**scalars, **more}
-    for name, (_, key) in GAUGES.items():
-      value = values.get(key)
-      if isinstance(value, (int, float)):
-        self._gauges[name].set(value)
+    fresh = {name: float(values[key]) for name, (_, key) in GAUGES.items()
+             if isinstance(values.get(key), (int, float))}
+    with self._lock:
+      self._values = {**self._values, **fresh}
+
+  def collect(self):
+    """prometheus_client Collector protocol: one gauge family per figure seen so far."""
+    with self._lock:
+      values = dict(self._values)
+    for name, value in values.items():
+      yield GaugeMetricFamily(name, GAUGES[name][0], value=value)
 
   def close(self) -> None:
     self._server.shutdown()

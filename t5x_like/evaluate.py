@@ -1,0 +1,58 @@
+"""`python -m t5x_like.evaluate --gin_file=... --gin.MODEL_DIR=... [--gin.DATA_DIR=...]`: loss/perplexity of a checkpoint."""
+
+import dataclasses
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from absl import flags  # pylint: disable=g-import-not-at-top
+
+from t5x_like import gin_utils
+from t5x_like import infer
+from t5x_like import model
+from t5x_like import optimizer
+from t5x_like import trainer
+
+gin_utils.define_gin_flags()
+flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the newest good one).")
+flags.DEFINE_string("split", "validation", "Split of DATA_DIR to evaluate on.")
+flags.DEFINE_integer("eval_batches", None, "Batches to evaluate (default: TrainConfig.eval_batches; "
+                     "0 = the whole split).")
+FLAGS = flags.FLAGS
+
+
+def evaluate_checkpoint(exp: trainer.Experiment, step=None, split: str = "validation") -> dict:
+  """Restores a checkpoint onto the experiment's mesh and evaluates it on `split` of its DATA_DIR.
+
+  Returns:
+    {"step", "split", "eval/loss", "eval/perplexity", "eval/tokens", "eval/batches"}.
+  """
+  if split not in exp.manifest["splits"]:
+    raise ValueError(f"DATA_DIR '{exp.config.data_dir}' has no split '{split}' "
+                     f"(available: {sorted(exp.manifest['splits'])})")
+  with exp.context():
+    found, params = infer.load_params(exp, step)
+  return {"step": int(found), "split": split, **exp.evaluate(params, split=split)}
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise ValueError(f"unexpected arguments {argv[1:]}")
+  gin_utils.parse_gin_flags()
+  config = gin_utils.configured(trainer.TrainConfig, "trainer")
+  if FLAGS.eval_batches is not None:
+    if FLAGS.eval_batches < 0:
+      raise ValueError(f"--eval_batches must be >= 0, got {FLAGS.eval_batches}")
+    config = dataclasses.replace(config, eval_batches=FLAGS.eval_batches)
+  exp = trainer.Experiment(config, gin_utils.configured(model.GPTConfig, "model"),
+                           gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))
+  result = evaluate_checkpoint(exp, FLAGS.step, FLAGS.split)
+  print(f"step {result['step']}  {result['split']}  loss {result['eval/loss']:.6f}  "
+        f"perplexity {result['eval/perplexity']:.4f}  ({int(result['eval/tokens'])} tokens, "
+        f"{result['eval/batches']} batches)", flush=True)
+  print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  gin_utils.run(main)

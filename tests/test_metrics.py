@@ -1,0 +1,99 @@
+"""Metric arithmetic without a training run: interval averages, throughput, progress line, exporter, profiler."""
+
+import math
+import time
+import urllib.request
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from t5x_like import metrics
+from t5x_like import monitoring
+from t5x_like import plot
+from t5x_like import profiling
+
+
+def step_record(loss, tokens, grad_norm=1.0, nonfinite=0, lr=1e-3, param_norm=2.0):
+  return {"loss": jnp.float32(loss), "tokens": jnp.float32(tokens), "grad_norm": jnp.float32(grad_norm),
+          "param_norm": jnp.float32(param_norm), "lr": jnp.float32(lr), "nonfinite": jnp.int32(nonfinite)}
+
+
+def test_interval_loss_is_weighted_by_tokens_and_perplexity_is_its_exp():
+  out = metrics.mean_step_metrics([{k: np.asarray(v) for k, v in step_record(2.0, 100).items()},
+                                   {k: np.asarray(v) for k, v in step_record(4.0, 300, grad_norm=3.0).items()}])
+  assert out["loss"] == pytest.approx((2.0 * 100 + 4.0 * 300) / 400, rel=1e-12)  # not the step mean 3.0
+  assert out["perplexity"] == math.exp(out["loss"])
+  assert out["grad_norm"] == 2.0 and out["loss_tokens"] == 400
+
+
+def test_perplexity_of_a_huge_or_nonfinite_loss_is_inf():
+  assert metrics.perplexity(1000.0) == math.inf and metrics.perplexity(math.nan) == math.inf
+  assert metrics.perplexity(1.0) == math.e
+
+
+def test_meter_leaves_the_compile_step_out_of_throughput_and_counts_nonfinite_steps():
+  meter = metrics.IntervalMeter(tokens_per_step=1000, num_devices=4, flops_per_token=6e6,
+                                peak_flops_per_device=1e12)
+  meter.begin_step()
+  meter.data_ready()
+  time.sleep(0.2)  # a slow "compile"
+  meter.end_step(step_record(5.0, 10, nonfinite=1), compiling=True)
+  first = meter.summary()
+  assert first["compile_seconds"] >= 0.2
+  assert "tokens_per_sec" not in first  # nothing but the compile step was timed
+  assert first["nonfinite_steps"] == 1 and first["nonfinite_steps_total"] == 1
+  for _ in range(3):
+    meter.begin_step()
+    time.sleep(0.01)
+    meter.data_ready()
+    time.sleep(0.02)
+    meter.end_step(step_record(4.0, 10, nonfinite=1))
+  out = meter.summary()
+  assert "compile_seconds" not in out
+  assert out["nonfinite_steps"] == 3 and out["nonfinite_steps_total"] == 4
+  assert 0.03 <= out["step_seconds"] < 0.2  # the 0.2 s compile is not in it
+  assert out["data_wait_seconds"] + out["compute_seconds"] == pytest.approx(out["step_seconds"])
+  assert out["tokens_per_sec"] == pytest.approx(1000 / out["step_seconds"])
+  assert out["tokens_per_sec_per_device"] == pytest.approx(out["tokens_per_sec"] / 4)
+  assert out["mfu"] == pytest.approx(out["tokens_per_sec"] * 6e6 / (4 * 1e12))
+  assert out["memory/host_rss_peak_bytes"] > 0
+
+
+def test_progress_line_shows_step_loss_throughput_mfu_and_eta():
+  line = metrics.progress_line(40, 100, 3.14159, 12345.6, 0.41, 2.0)
+  assert line == "step 40/100  loss 3.1416  12,346 tok/s  MFU 41.0%  ETA 0h02m00s"
+  assert "compiling" in metrics.progress_line(1, 100, 6.0, None, None, None)
+
+
+def test_exporter_serves_parseable_gauges_from_one_update():
+  exporter = monitoring.PrometheusExporter(0)
+  try:
+    exporter.update({"loss": 2.5, "tokens_per_sec": 1e4, "memory/host_rss_bytes": 7, "note": "text"}, step=12)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10).read().decode()
+  finally:
+    exporter.close()
+  values = {f.name: f.samples[0].value for f in text_string_to_metric_families(text)}
+  assert values == {"t5x_like_step": 12, "t5x_like_loss": 2.5, "t5x_like_tokens_per_second": 1e4,
+                    "t5x_like_host_rss_bytes": 7}
+
+
+def test_exporter_is_off_at_port_zero():
+  off = monitoring.start(0)
+  off.update({"loss": 1.0}, step=1)
+  off.close()
+  assert not isinstance(off, monitoring.PrometheusExporter)
+
+
+@pytest.mark.parametrize("steps", [(0, 2), (5, 3), (1, 2, 3), ("a", 2)])
+def test_profile_steps_are_validated(tmp_path, steps):
+  with pytest.raises(ValueError, match="profile_steps"):
+    profiling.StepProfiler(str(tmp_path), steps)
+
+
+def test_plot_series_keeps_the_last_value_of_a_repeated_step_and_skips_nonfinite():
+  records = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": "nan"}, {"step": 3, "loss": 4.0},
+             {"step": 2, "loss": 4.5}, {"step": 3, "eval/loss": 4.2}]
+  assert plot.series(records, "loss") == ([1, 2, 3], [5.0, 4.5, 4.0])
+  assert plot.series(records, "eval/loss") == ([3], [4.2])
