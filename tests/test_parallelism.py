@@ -14,7 +14,6 @@ import functools
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -47,8 +46,8 @@ def synthetic_batch(seed: int = 0) -> dict:
           "positions": positions, "weights": (segment_ids != 0).astype(np.float32)}
 
 
-def setup(mesh_shape: dict, *, remat: str = "none", pipeline_microbatches: int = 0, devices=None):
-  """(mesh, model config, model, optimizer, lr schedule), validated for BATCH before anything compiles."""
+def make_layout(mesh_shape: dict, *, remat: str = "none", pipeline_microbatches: int = 0, devices=None):
+  """(mesh, validated model config, model, optimizer, lr schedule) for a mesh layout."""
   mesh = mesh_lib.create_mesh(mesh_shape, devices)
   cfg = dataclasses.replace(CFG, remat_policy=remat, num_stages=mesh.shape["pipeline"],
                             pipeline_microbatches=pipeline_microbatches)
@@ -60,7 +59,7 @@ def setup(mesh_shape: dict, *, remat: str = "none", pipeline_microbatches: int =
 @pytest.fixture(scope="module")
 def initial_state():
   """The initial TrainState as host arrays (one init compile; each layout shards it its own way)."""
-  mesh, _, model, tx, _ = setup({"data": 1}, devices=jax.devices()[:1])
+  mesh, _, model, tx, _ = make_layout({"data": 1}, devices=jax.devices()[:1])
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
     state, _ = train_state.init_state(model, tx, jax.random.key(0), mesh, RULES)
   return jax.tree.map(np.asarray, state)
@@ -69,8 +68,8 @@ def initial_state():
 def train(initial, mesh_shape: dict, *, num_microbatches: int = 1, remat: str = "none",
           pipeline_microbatches: int = 0, devices=None):
   """Runs STEPS train steps from `initial` on one batch; returns ([(loss, grad_norm)], params as numpy)."""
-  mesh, cfg, model, tx, lr_fn = setup(mesh_shape, remat=remat, pipeline_microbatches=pipeline_microbatches,
-                                      devices=devices)
+  mesh, cfg, model, tx, lr_fn = make_layout(mesh_shape, remat=remat, pipeline_microbatches=pipeline_microbatches,
+                                            devices=devices)
   partitioning.check_layout(cfg, mesh.shape, BATCH, num_microbatches)
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
     _, shardings = train_state.state_shardings(model, tx, mesh, RULES)
@@ -132,7 +131,7 @@ def test_sharded_init_equals_host_init_and_is_really_sharded(initial_state):
   """jit(init, out_shardings) on pipeline2×fsdp2×tensor2 gives the same values, and each device holds
   1/(pipeline×fsdp×tensor) of every leaf split over all three axes (blocks' kernels and their Adam
   moments), and exactly 1/(product of its axes) of every other leaf."""
-  mesh, _, model, tx, _ = setup({"pipeline": 2, "fsdp": 2, "tensor": 2})
+  mesh, _, model, tx, _ = make_layout({"pipeline": 2, "fsdp": 2, "tensor": 2})
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
     state, shardings = train_state.init_state(model, tx, jax.random.key(0), mesh, RULES)
   for leaf, ref in zip(jax.tree.leaves(state), jax.tree.leaves(initial_state)):
@@ -153,7 +152,7 @@ def test_sharded_init_equals_host_init_and_is_really_sharded(initial_state):
 def test_rules_give_megatron_tensor_parallelism_and_fsdp():
   """Attention heads, MLP units and the vocabulary split over `tensor`; d_model over `fsdp`;
   layers over `pipeline`; Adam moments sharded exactly like their parameters."""
-  mesh, _, model, tx, _ = setup({"pipeline": 2, "fsdp": 2, "tensor": 2})
+  mesh, _, model, tx, _ = make_layout({"pipeline": 2, "fsdp": 2, "tensor": 2})
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
     _, shardings = train_state.state_shardings(model, tx, mesh, RULES)
   spec = lambda tree, *path: tuple(functools.reduce(lambda t, k: t[k], path, tree).spec)
@@ -170,7 +169,7 @@ def test_rules_give_megatron_tensor_parallelism_and_fsdp():
 
 def test_cross_entropy_is_vocab_parallel(initial_state):
   """With tensor=8 the compiled loss never materialises full-vocabulary logits on a device."""
-  mesh, _, model, _, _ = setup({"tensor": 8})
+  mesh, _, model, _, _ = make_layout({"tensor": 8})
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
     _, shardings = train_state.state_shardings(model, optimizer.make_optimizer(OPT, 10), mesh, RULES)
     loss = jax.jit(lambda p, b: train_step.loss_sums(p, model.apply, b), in_shardings=(shardings.params, None))

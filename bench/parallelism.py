@@ -1,0 +1,167 @@
+"""Step time per mesh layout on an 8-device CPU mesh, and the measured GPipe bubble vs (p−1)/(m+p−1).
+
+    python bench/parallelism.py [--repeats 5] [--skip_layouts] [--skip_bubble]
+
+Prints two Markdown tables (copied into docs/parallelism.md).
+
+Bubble method. In `pipeline.pipeline_blocks` every stage computes at every one of the m + p − 1
+iterations; the stage-slots that hold no microbatch yet (or any more) compute on stale data whose
+result is never read. On accelerators those slots are idle time on the critical path; on this CPU
+mesh the fake devices share the cores, so the same slots show up as extra work. Both give the same
+fraction: bubble = 1 − W_useful / W_pipeline, where W_pipeline is the CPU time (all threads, so
+it does not depend on how busy the shared machine is) of the forward+backward of the block stack
+pipelined over p devices with m microbatches, and W_useful the CPU time of the same computation
+(same layers, same rows) as one sequential `scan_blocks` on one device. What the pipeline adds on
+top of the bubble (rolling the state buffer, injecting inputs, collecting outputs, smaller matmuls)
+is counted in the measured figure too, so measured ≥ theory is expected.
+"""
+
+import argparse
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import dataclasses  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import functools
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from t5x_like import layers
+from t5x_like import mesh as mesh_lib
+from t5x_like import model as model_lib
+from t5x_like import optimizer
+from t5x_like import partitioning
+from t5x_like import pipeline
+from t5x_like import train_state
+from t5x_like import train_step
+
+RULES = partitioning.DEFAULT_RULES
+LAYOUT_CFG = model_lib.GPTConfig(vocab_size=512, max_len=64, num_layers=4, num_heads=8, d_model=128, d_ff=512,
+                                 dtype="float32")
+LAYOUT_BATCH, LAYOUT_SEQ = 32, 64
+LAYOUTS = (
+    ("data 8", {"data": 8}, 0),
+    ("fsdp 8", {"fsdp": 8}, 0),
+    ("tensor 8", {"tensor": 8}, 0),
+    ("data 2 × fsdp 2 × tensor 2", {"data": 2, "fsdp": 2, "tensor": 2}, 0),
+    ("pipeline 2 × data 2 × tensor 2 (m=4)", {"pipeline": 2, "data": 2, "tensor": 2}, 4),
+    ("pipeline 4 × fsdp 2 (m=8)", {"pipeline": 4, "fsdp": 2}, 8),
+    ("pipeline 2 × tensor 4 (m=4)", {"pipeline": 2, "tensor": 4}, 4),
+    ("pipeline 2 × fsdp 2 × tensor 2 (m=8)", {"pipeline": 2, "fsdp": 2, "tensor": 2}, 8),
+)
+BUBBLE_CFG = model_lib.GPTConfig(vocab_size=128, max_len=32, num_layers=8, num_heads=4, d_model=128, d_ff=512,
+                                 dtype="float32")
+BUBBLE_ROWS_PER_MICROBATCH, BUBBLE_SEQ = 8, 32
+
+
+def best_time(fn, *args, repeats: int, clock=time.perf_counter) -> float:
+  """Minimum `clock` time of `fn(*args)` over `repeats` runs after one warm-up (compile) run."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = clock()
+    jax.block_until_ready(fn(*args))
+    times.append(clock() - start)
+  return min(times)
+
+
+def synthetic_batch(batch: int, seq: int, vocab: int) -> dict:
+  tokens = np.random.RandomState(0).randint(0, vocab, (batch, seq + 1)).astype(np.int32)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((batch, seq), np.int32),
+          "positions": np.tile(np.arange(seq, dtype=np.int32), (batch, 1)),
+          "weights": np.ones((batch, seq), np.float32)}
+
+
+def layout_step_seconds(mesh_shape: dict, pipeline_microbatches: int, repeats: int) -> float:
+  """Best wall time of one jitted AdamW train step (sharded state, donated) on the layout."""
+  mesh = mesh_lib.create_mesh(mesh_shape)
+  cfg = dataclasses.replace(LAYOUT_CFG, num_stages=mesh.shape["pipeline"],
+                            pipeline_microbatches=pipeline_microbatches)
+  cfg.validate()
+  partitioning.check_layout(cfg, mesh.shape, LAYOUT_BATCH, 1)
+  model = model_lib.GPT(cfg)
+  opt = optimizer.OptimizerConfig(warmup_steps=1)
+  tx, lr_fn = optimizer.make_optimizer(opt, 100), optimizer.learning_rate_schedule(opt, 100)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    state, shardings = train_state.init_state(model, tx, jax.random.key(0), mesh, RULES)
+    batch_sharding = partitioning.batch_sharding(mesh, RULES)
+    batch = {k: jax.device_put(v, batch_sharding)
+             for k, v in synthetic_batch(LAYOUT_BATCH, LAYOUT_SEQ, cfg.vocab_size).items()}
+    step = jax.jit(functools.partial(train_step.train_step, apply_fn=model.apply, tx=tx, lr_fn=lr_fn),
+                   in_shardings=(shardings, {k: batch_sharding for k in batch}), out_shardings=(shardings, None))
+    holder = [state]
+
+    def run():
+      holder[0], metrics = step(holder[0], batch)
+      return metrics["loss"]
+
+    return best_time(run, repeats=repeats)
+
+
+@functools.lru_cache(maxsize=None)
+def block_stack_seconds(stages: int, microbatches: int, repeats: int) -> float:
+  """Best CPU time (all threads) of forward+backward through the block stack: pipelined over `stages` devices
+  with `microbatches` microbatches, or sequential on one device when stages == 1."""
+  rows = BUBBLE_ROWS_PER_MICROBATCH * microbatches
+  cfg = dataclasses.replace(BUBBLE_CFG, num_stages=stages, pipeline_microbatches=microbatches)
+  cfg.validate()
+  mesh = mesh_lib.create_mesh({"pipeline": stages}, jax.devices()[:stages])
+  params = partitioning.unbox(model_lib.init_stacked_blocks(cfg, jax.random.key(0), cfg.num_layers))
+  x = jax.random.normal(jax.random.key(1), (rows, BUBBLE_SEQ, cfg.d_model), jnp.float32)
+  segment_ids = jnp.ones((rows, BUBBLE_SEQ), jnp.int32)
+
+  def loss(p, h):
+    if stages > 1:
+      out = pipeline.pipeline_blocks(cfg, p, h, segment_ids)
+    else:
+      out = model_lib.scan_blocks(cfg, p, h, layers.causal_segment_mask(segment_ids))
+    return jnp.mean(jnp.square(out))
+
+  with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    shardings = jax.tree.map(lambda w: jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec("pipeline" if stages > 1 else None)), params)
+    params = jax.device_put(params, shardings)
+    grad = jax.jit(jax.grad(loss))
+    return best_time(grad, params, x, repeats=repeats, clock=time.process_time)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--skip_layouts", action="store_true")
+  parser.add_argument("--skip_bubble", action="store_true")
+  args = parser.parse_args()
+  print(f"jax {jax.__version__}, {jax.device_count()} CPU devices, {os.cpu_count()} cores visible\n")
+  if not args.skip_layouts:
+    c = LAYOUT_CFG
+    print(f"Train step (AdamW, float32), {c.num_layers} layers, d_model {c.d_model}, {c.num_heads} heads, "
+          f"d_ff {c.d_ff}, vocab {c.vocab_size}; batch {LAYOUT_BATCH} × {LAYOUT_SEQ} tokens; best of "
+          f"{args.repeats}\n")
+    print("| layout | step ms | tokens/s |\n|---|---:|---:|")
+    for name, shape, m in LAYOUTS:
+      seconds = layout_step_seconds(shape, m, args.repeats)
+      print(f"| {name} | {seconds * 1e3:.1f} | {LAYOUT_BATCH * LAYOUT_SEQ / seconds:,.0f} |", flush=True)
+    print()
+  if not args.skip_bubble:
+    c = BUBBLE_CFG
+    print(f"Pipeline bubble: forward+backward of {c.num_layers} blocks (d_model {c.d_model}, d_ff {c.d_ff}), "
+          f"{BUBBLE_ROWS_PER_MICROBATCH} rows × {BUBBLE_SEQ} tokens per microbatch; CPU seconds, "
+          f"best of {args.repeats}\n")
+    print("| p | m | sequential CPU ms | pipelined CPU ms | measured bubble | (p−1)/(m+p−1) |\n"
+          "|---:|---:|---:|---:|---:|---:|")
+    for stages in (2, 4):
+      for m in (1, 2, 4, 8):
+        useful = block_stack_seconds(1, m, args.repeats)
+        piped = block_stack_seconds(stages, m, args.repeats)
+        print(f"| {stages} | {m} | {useful * 1e3:.1f} | {piped * 1e3:.1f} | {1 - useful / piped:.3f} | "
+              f"{pipeline.bubble_fraction(stages, m):.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
