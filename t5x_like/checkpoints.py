@@ -228,7 +228,7 @@ def check_resume_metadata(saved: Optional[dict], current: dict) -> list:
   """Differences that make a resume inexact (other data, other batch); logged as warnings, returned."""
   saved = saved or {}
   problems = [f"{key}: checkpoint has {saved[key]!r}, this run {current.get(key)!r}"
-              for key in ("manifest_sha256", "batch_size", "seq_len", "process_count")
+              for key in ("manifest_sha256", "batch_size", "seq_len")
               if key in saved and saved[key] != current.get(key)]
   for p in problems:
     logging.warning("resuming from a checkpoint of a different run setup (%s): losses will not "
