@@ -86,14 +86,19 @@ def generate(params, tokens, segment_ids, rng, *, config: model_lib.GPTConfig, m
   return out.T  # (B, max_new_tokens)
 
 
+@functools.partial(jax.jit, static_argnames=("config",))
+def _last_logits(params, tokens, *, config: model_lib.GPTConfig):
+  return model_lib.GPT(config).apply({"params": params}, tokens)[:, -1]  # (B, V)
+
+
 def generate_by_recompute(params, tokens, *, config: model_lib.GPTConfig, max_new_tokens: int):
-  """Greedy reference without a cache: the whole sequence is re-run for every new token (for tests/bench)."""
-  model = model_lib.GPT(config)
-  apply = jax.jit(lambda p, t: model.apply({"params": p}, t))
+  """Greedy reference without a cache: the whole sequence is re-run for every new token (for tests/bench).
+
+  Compiles once per sequence length; the compilations are cached across calls."""
   seq = jnp.asarray(tokens)
   out = []
   for _ in range(max_new_tokens):
-    nxt = jnp.argmax(apply(params, seq)[:, -1], axis=-1).astype(jnp.int32)
+    nxt = jnp.argmax(_last_logits(params, seq, config=config), axis=-1).astype(jnp.int32)
     out.append(nxt)
     seq = jnp.concatenate([seq, nxt[:, None]], axis=1)
   return jnp.stack(out, axis=1)
