@@ -228,6 +228,12 @@ def train_tokenizer(text_iter_or_files,
                                      vocab_size=size, **args)
       break
     except RuntimeError as e:
+      small = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", str(e))
+      if small:
+        raise ValueError(
+            f"tokenizer vocab_size={size} is below the {int(small.group(2)) + 4} pieces this corpus needs "
+            f"({'256 byte pieces, ' if byte_fallback else ''}its characters and 4 special ids): "
+            f"raise --vocab_size" + (" or pass --nobyte_fallback" if byte_fallback else "")) from None
       m = _VOCAB_TOO_HIGH.search(str(e))
       if "Vocabulary size" not in str(e) or size <= 8:
         raise

@@ -64,3 +64,10 @@ def test_unigram_from_iterator(tmp_path):
                                       num_threads=1)
   assert tok.path is None and tok.eos_id == 1
   assert tok.decode(tok.encode(paragraphs[3])) == paragraphs[3]
+
+
+def test_vocab_below_what_the_corpus_needs_is_a_clear_error(tmp_path):
+  from t5x_like import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  text = ["the mesh shards tokens. every host reads records."] * 50
+  with pytest.raises(ValueError, match="vocab_size=64 is below"):
+    tokenizer_lib.train_tokenizer(text, str(tmp_path / "t"), vocab_size=64, byte_fallback=True)
