@@ -29,9 +29,10 @@ def register(cls: type, module: str) -> None:
 
 def register_all() -> None:
   """Registers every config type a gin file may bind (`model.GPTConfig.d_model = 512`, ...)."""
-  from t5x_like import model, optimizer, trainer  # pylint: disable=g-import-not-at-top
+  from t5x_like import model, optimizer, precision, trainer  # pylint: disable=g-import-not-at-top
   register(model.GPTConfig, "model")
   register(optimizer.OptimizerConfig, "optimizer")
+  register(precision.PrecisionConfig, "precision")
   register(trainer.TrainConfig, "trainer")
 
 
@@ -131,4 +132,10 @@ def run(main: Callable) -> None:
         os._exit(1)  # don't wait at the shutdown barrier for peers that may be stuck in a collective
       sys.exit(1)
 
-  app.run(wrapped, argv=rewrite_gin_args(sys.argv))
+  argv = rewrite_gin_args(sys.argv)
+  if {"--help", "-h", "--helpshort", "-?"} & set(argv[1:]):  # absl exits 1 on --help; asking is no error
+    main_doc = (sys.modules["__main__"].__doc__ or "").strip()
+    print("\n\n".join(p for p in (main_doc, flags.FLAGS.main_module_help(),
+                                   flags.FLAGS.module_help(__name__)) if p.strip()))
+    sys.exit(0)
+  app.run(wrapped, argv=argv)

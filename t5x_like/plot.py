@@ -2,14 +2,14 @@
 
 import json
 import os
-import sys
 
-from absl import app
 from absl import flags
 import matplotlib
 
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+from t5x_like import gin_utils  # pylint: disable=g-import-not-at-top
 
 flags.DEFINE_string("out", None, "PNG to write (default: MODEL_DIR/metrics.png for one run, "
                     "./runs.png for several).")
@@ -101,15 +101,5 @@ def main(argv):
   print(plot_runs(load_runs(model_dirs), out, FLAGS.dpi), flush=True)
 
 
-def run() -> None:
-  def wrapped(argv):
-    try:
-      main(argv)
-    except (ValueError, OSError) as e:
-      print(f"error: {e}", file=sys.stderr, flush=True)
-      sys.exit(1)
-  app.run(wrapped)
-
-
 if __name__ == "__main__":
-  run()
+  gin_utils.run(main)
