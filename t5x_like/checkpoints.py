@@ -103,7 +103,8 @@ def abstract_with_shardings(abstract_state, shardings):
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
 
 
-def _first_line(e: BaseException) -> str:
+def error_line(e: BaseException) -> str:
+  """"ValueError: first line of the message" (orbax errors run to pages)."""
   text = str(e).strip()
   return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
@@ -137,7 +138,7 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state, iterator=None
       restored = manager.restore(candidate, args=ocp.args.Composite(**items))
     except Exception as e:  # pylint: disable=broad-except  # orbax surfaces corruption as many types
       logging.warning("checkpoint step %d in %s is unreadable (%s); trying an older one",
-                      candidate, manager.directory, _first_line(e))
+                      candidate, manager.directory, error_line(e))
       bad.append(candidate)
       last_error = e
       continue
@@ -151,7 +152,7 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state, iterator=None
   if bad:
     raise NoUsableCheckpointError(
         f"{manager.directory} holds checkpoint step(s) {bad} but none restores with this configuration "
-        f"(last error {_first_line(last_error)}): use another MODEL_DIR, or fix the model/mesh config")
+        f"(last error {error_line(last_error)}): use another MODEL_DIR, or fix the model/mesh config")
   return None, None, None
 
 

@@ -160,17 +160,18 @@ class Saver:
     self._attempted: Optional[int] = None
 
   def save(self, step: int, state, iterator, metadata: dict) -> None:
-    self._settle()
+    self.settle()
     self._attempted = step
     try:
       if checkpoints.save(self.manager, step, state, iterator, metadata):
         self._pending = step
         if not self.manager.is_saving_in_progress():
-          self._settle()
+          self.settle()
     except Exception as e:  # pylint: disable=broad-except  # disk full, read-only, permission, ...
       self._failed(step, e)
 
-  def _settle(self) -> None:
+  def settle(self) -> None:
+    """Waits for an in-flight save; a failure is reported (and counted) here."""
     step, self._pending = self._pending, None
     try:
       self.manager.wait_until_finished()
@@ -185,18 +186,18 @@ class Saver:
     self.manager.reload()
     checkpoints.remove_tmp_dirs(self.manager, step)
     logging.error("checkpoint save at step %s FAILED (%s, %d in a row); the newest committed checkpoint "
-                  "is step %s in %s", step, checkpoints._first_line(error), self.failures,  # pylint: disable=protected-access
+                  "is step %s in %s", step, checkpoints.error_line(error), self.failures,
                   self.manager.latest_step(), self.manager.directory)
     if self.failures > self.max_failures:
       raise CheckpointSaveError(
           f"{self.failures} checkpoint saves in a row failed, the last at step {step} "
-          f"({checkpoints._first_line(error)}); stopped. The newest committed checkpoint is step "  # pylint: disable=protected-access
+          f"({checkpoints.error_line(error)}); stopped. The newest committed checkpoint is step "
           f"{self.manager.latest_step()} in {self.manager.directory}: free space or fix permissions, "
           "then relaunch to resume from it") from error
 
   def finish(self, final_step: int) -> None:
     """Waits for the last save; if this launch tried to save `final_step`, it must have committed."""
-    self._settle()
+    self.settle()
     if self._attempted == final_step and self.last_saved != final_step:
       raise CheckpointSaveError(
           f"the final checkpoint (step {final_step}) could not be saved; the newest committed one is "
@@ -264,7 +265,7 @@ class RunGuard:
 
   def rollback(self):
     """(step, state) of the newest checkpoint; the data iterator is left where it is (past the bad batches)."""
-    self.saver._settle()  # pylint: disable=protected-access
+    self.saver.settle()
     self.rollbacks += 1
     self.nonfinite.reset()
     step, state, _ = checkpoints.restore_latest(self.manager, self.abstract_state)

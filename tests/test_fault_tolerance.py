@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import os
 import random
 import signal
@@ -91,6 +92,7 @@ def test_nonfinite_streak_stops_with_a_clear_message(tmp_path):
 def test_nan_batch_skipped_then_streak_rolls_back_and_skips_batches(tmp_path, data_dir, caplog):
   """Step 2 alone is poisoned: skipped, run continues. Steps 5, 6 in a row (patience 2): detected after
   step 7, rolled back to the step-4 checkpoint, and 5..8 rerun on the batches after the bad ones."""
+  caplog.set_level(logging.WARNING, logger="absl")
   model_dir = tmp_path / "run"
   _train(model_dir, data_dir, train_steps=8, checkpoint_every=4, debug_nan_steps=(2, 5, 6),
          nonfinite_patience=2, nonfinite_action="rollback")
