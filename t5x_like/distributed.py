@@ -4,6 +4,7 @@ import faulthandler
 import os
 import sys
 import threading
+import time
 import traceback
 from typing import Optional
 
@@ -53,6 +54,7 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
     raise ValueError("--coordinator_address needs --num_processes and --process_id as well")
   if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
     raise ValueError(f"--process_id={process_id} is outside 0..{num_processes - 1} (--num_processes={num_processes})")
+  _HEARTBEAT_TIMEOUT[0] = heartbeat_timeout
   jax.distributed.initialize(coordinator_address, num_processes, process_id,
                              initialization_timeout=initialization_timeout,
                              heartbeat_timeout_seconds=heartbeat_timeout,
@@ -77,11 +79,38 @@ def _exit_hard_on_uncaught_exceptions() -> None:
 
   def hook(exc_type, exc, tb):
     traceback.print_exception(exc_type, exc, tb)
-    print(f"error: process {jax.process_index()}: {exc_type.__name__}: {exc}", file=sys.stderr, flush=True)
+    reason = f"{exc_type.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    missing = missing_processes(_HEARTBEAT_TIMEOUT[0]) if "JaxRuntimeError" in exc_type.__name__ else []
+    if missing:
+      reason = f"process(es) {missing} stopped responding ({reason})"
+    print(f"error: process {jax.process_index()}: {reason}", file=sys.stderr, flush=True)
     os._exit(1)
 
   sys.excepthook = hook
   threading.excepthook = lambda args: hook(args.exc_type, args.exc_value, args.exc_traceback)
+
+
+_HEARTBEAT_TIMEOUT = [100]
+
+
+def missing_processes(wait_seconds: float) -> list:
+  """Process ids the coordination service no longer sees alive, waiting up to `wait_seconds` for it to
+  notice (a collective usually fails on a closed connection before the heartbeat times out)."""
+  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+  client = jax_distributed.global_state.client
+  if client is None:
+    return []
+  everyone = list(range(jax.process_count()))
+  deadline = time.time() + wait_seconds
+  while True:
+    try:
+      live = client.get_live_nodes(everyone)
+    except Exception:  # pylint: disable=broad-except  # the coordinator itself may be gone
+      return [0] if jax.process_index() != 0 else []
+    missing = [p for p in everyone if p not in live]
+    if missing or time.time() > deadline:
+      return missing
+    time.sleep(1.0)
 
 
 def exit_now(code: int) -> None:

@@ -1,0 +1,119 @@
+"""Multi-process runs on one machine: 2 processes × 2 CPU devices (gloo) versus 1 process × 4 devices."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from t5x_like import preprocess
+from tests.test_train_e2e import write_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+  root = tmp_path_factory.mktemp("mh")
+  write_corpus(str(root / "raw"), files=8, lines=200)
+  preprocess.preprocess([str(root / "raw" / "*.txt")], str(root / "ds"), vocab_size=400, num_train_shards=4,
+                        validation_fraction=0.25, progress=False, cache_dir=None)
+  return str(root / "ds")
+
+
+def train_args(model_dir, data_dir, steps, extra=()):
+  return [sys.executable, "-m", "t5x_like.train", "--gin_file=configs/models/gpt_tiny.gin",
+          "--gin_file=configs/runs/pretrain.gin", f"--gin.MODEL_DIR='{model_dir}'", f"--gin.DATA_DIR='{data_dir}'",
+          f"--gin.TRAIN_STEPS={steps}", "--gin.BATCH_SIZE=8", "--gin.SEQ_LEN=32", "--gin.LOG_EVERY=1",
+          "--gin.EVAL_EVERY=0", "--gin.CHECKPOINT_EVERY=2", "--gin.model.GPTConfig.num_layers=2",
+          "--gin.model.GPTConfig.dtype='float32'", "--gin.trainer.TrainConfig.data_streams=2",
+          "--gin.trainer.TrainConfig.eval_batches=2", "--gin.optimizer.OptimizerConfig.warmup_steps=2",
+          "--gin.optimizer.OptimizerConfig.decay='constant'", *extra]  # schedule independent of TRAIN_STEPS
+
+
+def env(devices):
+  return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+
+
+def launch(model_dir, data_dir, steps, processes, heartbeat=60):
+  """Starts the run as `processes` processes (4 devices in all); returns the Popen objects."""
+  if processes == 1:
+    return [subprocess.Popen(train_args(model_dir, data_dir, steps), cwd=ROOT, env=env(4),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+  port = free_port()
+  return [subprocess.Popen(
+      train_args(model_dir, data_dir, steps, [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                                              f"--process_id={i}", f"--heartbeat_timeout={heartbeat}",
+                                              "--shutdown_timeout=20"]),
+      cwd=ROOT, env=env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+
+
+def wait_all(procs, timeout=400):
+  outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 0, "\n".join(line for line in out.splitlines()
+                                        if line[:1] in "EF" or "error" in line.lower())[-4000:]
+  return outputs
+
+
+def losses(model_dir):
+  with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+    return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def test_two_processes_match_one_and_checkpoints_cross_over(dataset, tmp_path):
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  wait_all(launch(one, dataset, 6, processes=1))
+  wait_all(launch(two, dataset, 4, processes=2))
+  reference, multi = losses(one), losses(two)
+  assert sorted(multi) == [1, 2, 3, 4]
+  for step in multi:  # same global batches, same math: equal up to float32 reduction order
+    assert multi[step] == pytest.approx(reference[step], rel=2e-5), (step, multi, reference)
+  assert not any(name.startswith("events") for name in os.listdir(two)) or os.path.exists(os.path.join(two, "config.gin"))
+  # written by 2 processes, continued by 1 process: the same losses as the 1-process run
+  wait_all(launch(two, dataset, 6, processes=1))
+  after = losses(two)
+  for step in (5, 6):
+    assert after[step] == pytest.approx(reference[step], rel=2e-5), (step, after, reference)
+  # and the reverse: written by 1 process (step 6), continued by 2 processes
+  wait_all(launch(one, dataset, 8, processes=2))
+  assert sorted(losses(one)) == list(range(1, 9))
+
+
+def test_killed_peer_makes_the_other_exit_with_a_reason(dataset, tmp_path):
+  model_dir = str(tmp_path / "run")
+  procs = launch(model_dir, dataset, 400, processes=2, heartbeat=10)
+  metrics = os.path.join(model_dir, "metrics.jsonl")
+  deadline = time.time() + 300
+  while time.time() < deadline and not (os.path.exists(metrics) and len(open(metrics).readlines()) >= 3):
+    time.sleep(0.5)
+  assert os.path.exists(metrics), procs[0].communicate(timeout=5)[0][-3000:]
+  procs[1].send_signal(signal.SIGKILL)
+  start = time.time()
+  out, _ = procs[0].communicate(timeout=120)
+  assert procs[0].returncode != 0
+  assert time.time() - start < 90  # heartbeat timeout 10 s, plus a loaded machine's slack
+  # either our line naming the dead process, or JAX's own heartbeat verdict naming it
+  named = "process(es) [1] stopped responding" in out or re.search(r"stopped sending heartbeats\):\s*1", out)
+  assert named, out[-2000:]
+  procs[1].communicate(timeout=10)
+  # relaunching both resumes from the newest checkpoint
+  saved = max(int(d) for d in os.listdir(os.path.join(model_dir, "checkpoints")) if d.isdigit())
+  with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+    before = sum(1 for _ in f)
+  wait_all(launch(model_dir, dataset, saved + 2, processes=2))
+  with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+    new_steps = [r["step"] for r in map(json.loads, f.readlines()[before:]) if "loss" in r]
+  assert new_steps == [saved + 1, saved + 2]
