@@ -26,7 +26,8 @@ setuptools.setup(
         "prometheus_client>=0.20",
     ],
     extras_require={
-        "test": ["pytest>=8.0"],
+        # apache-beam so CI runs the DirectRunner-equals-local-runner test too.
+        "test": ["pytest>=8.0", "apache-beam>=2.60"],
         "beam": ["apache-beam>=2.60"],
     },
 )
