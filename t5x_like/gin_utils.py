@@ -29,9 +29,10 @@ def register(cls: type, module: str) -> None:
 
 def register_all() -> None:
   """Registers every config type a gin file may bind (`model.GPTConfig.d_model = 512`, ...)."""
-  from t5x_like import model, optimizer, trainer  # pylint: disable=g-import-not-at-top
+  from t5x_like import model, optimizer, precision, trainer  # pylint: disable=g-import-not-at-top
   register(model.GPTConfig, "model")
   register(optimizer.OptimizerConfig, "optimizer")
+  register(precision.PrecisionConfig, "precision")
   register(trainer.TrainConfig, "trainer")
 
 

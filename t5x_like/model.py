@@ -50,6 +50,9 @@ class GPTConfig:
       raise ValueError(f"GPTConfig.remat_policy={self.remat_policy!r}: expected one of {REMAT_POLICIES}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"GPTConfig.attention_impl={self.attention_impl!r}: expected one of {ATTENTION_IMPLS}")
+    if self.attention_impl == "cudnn" and jax.default_backend() != "gpu":
+      raise ValueError(f"GPTConfig.attention_impl='cudnn' needs an NVIDIA GPU (backend is "
+                       f"{jax.default_backend()}); use 'xla' (same jax.nn.dot_product_attention, XLA kernels)")
     if self.dtype not in DTYPES:
       raise ValueError(f"GPTConfig.dtype={self.dtype!r}: expected one of {tuple(DTYPES)}")
     if self.remat_policy == "offload_dots" and not _has_host_offload():

@@ -14,6 +14,7 @@ from t5x_like import fault_tolerance
 from t5x_like import gin_utils
 from t5x_like import model
 from t5x_like import optimizer
+from t5x_like import precision
 from t5x_like import trainer
 
 gin_utils.define_gin_flags()
@@ -28,7 +29,8 @@ def main(argv):
   try:
     result = trainer.train(gin_utils.configured(trainer.TrainConfig, "trainer"),
                            gin_utils.configured(model.GPTConfig, "model"),
-                           gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))
+                           gin_utils.configured(optimizer.OptimizerConfig, "optimizer"),
+                           gin_utils.configured(precision.PrecisionConfig, "precision"))
   except fault_tolerance.RunStopped as e:  # preempted 75, save failed 74, non-finite 65
     print(f"stopped: {e}", file=sys.stderr, flush=True)
     if jax.process_count() > 1:

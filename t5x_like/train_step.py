@@ -1,11 +1,12 @@
 """Pure train and eval steps: token-weighted loss, microbatch gradient accumulation, non-finite guard."""
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from t5x_like import precision
 from t5x_like.train_state import TrainState
 
 Batch = dict  # inputs, targets, segment_ids, positions: (B, L) int32; weights: (B, L) float32
@@ -38,20 +39,26 @@ def split_microbatches(batch: Batch, num_microbatches: int) -> Batch:
   return jax.tree.map(split, batch)
 
 
-def accumulated_grads(params, apply_fn: Callable, batch: Batch, num_microbatches: int):
+def accumulated_grads(params, apply_fn: Callable, batch: Batch, num_microbatches: int,
+                      loss_multiplier: Optional[jax.Array] = None):
   """Gradients of the summed loss over `num_microbatches` sequential microbatches.
 
   Returns (grad of Σ loss, Σ loss, Σ weight); dividing by Σ weight gives the exact full-batch mean,
-  whatever the padding in each microbatch.
+  whatever the padding in each microbatch. With `loss_multiplier` c the gradients are of c·Σ loss
+  (loss scaling); the returned Σ loss is not multiplied.
   """
-  grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+  def scaled_loss(p, micro):
+    loss_sum, weight_sum = loss_sums(p, apply_fn, micro)
+    return loss_sum if loss_multiplier is None else loss_sum * loss_multiplier, (loss_sum, weight_sum)
+
+  grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
   if num_microbatches <= 1:
-    (loss_sum, weight_sum), grads = grad_fn(params, apply_fn, batch)
+    (_, (loss_sum, weight_sum)), grads = grad_fn(params, batch)
     return grads, loss_sum, weight_sum
 
   def body(carry, micro):
     grads_acc, loss_acc, weight_acc = carry
-    (loss_sum, weight_sum), grads = grad_fn(params, apply_fn, micro)
+    (_, (loss_sum, weight_sum)), grads = grad_fn(params, micro)
     return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss_sum, weight_acc + weight_sum), None
 
   zeros = jax.tree.map(jnp.zeros_like, params)
@@ -65,31 +72,54 @@ def all_finite(tree: Any) -> jax.Array:
 
 
 def train_step(state: TrainState, batch: Batch, *, apply_fn: Callable, tx: optax.GradientTransformation,
-               lr_fn: Callable, num_microbatches: int = 1):
+               lr_fn: Callable, num_microbatches: int = 1,
+               precision_config: Optional[precision.PrecisionConfig] = None):
   """One optimizer step. A step whose loss or gradients are not finite leaves params and optimizer
   state untouched (the step counter still advances) and reports `nonfinite` = 1.
 
+  With dynamic loss scaling (`state.loss_scale` set) a gradient overflow is expected now and then: the
+  step is skipped the same way and the scale backs off, but `nonfinite` = 1 only when the loss itself is
+  not finite or the scale is already at `min_scale` (so the run's non-finite patience counts real
+  divergence, not scale search); `overflow` and `loss_scale` report the scaling.
+
   Returns:
-    (new state, metrics): loss (token mean), tokens (Σ weight), grad_norm, param_norm, lr, nonfinite.
+    (new state, metrics): loss (token mean), tokens (Σ weight), grad_norm, param_norm, lr, nonfinite
+    (+ loss_scale, overflow with loss scaling).
   """
-  grads, loss_sum, weight_sum = accumulated_grads(state.params, apply_fn, batch, num_microbatches)
-  denom = jnp.maximum(weight_sum, 1.0)
-  grads = jax.tree.map(lambda g: g / denom, grads)
+  loss_scale = state.loss_scale
+  if loss_scale is None:
+    grads, loss_sum, weight_sum = accumulated_grads(state.params, apply_fn, batch, num_microbatches)
+    denom = jnp.maximum(weight_sum, 1.0)
+    grads = jax.tree.map(lambda g: g / denom, grads)
+  else:  # differentiate S·(token mean): a sum over many tokens would overflow float16 weight gradients
+    denom = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
+    grads, loss_sum, weight_sum = accumulated_grads(state.params, apply_fn, batch, num_microbatches,
+                                                    loss_scale.scale / denom)
+    grads = precision.unscale_grads(grads, loss_scale)
   loss = loss_sum / denom
   updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
   new_params = optax.apply_updates(state.params, updates)
-  finite = jnp.isfinite(loss) & all_finite(grads)
+  grads_finite = all_finite(grads)
+  finite = jnp.isfinite(loss) & grads_finite
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  new_scale = None
+  if loss_scale is not None:
+    new_scale = precision.update_loss_scale(loss_scale, finite, precision_config or precision.PrecisionConfig())
   new_state = TrainState(step=state.step + 1, params=keep(new_params, state.params),
-                         opt_state=keep(new_opt_state, state.opt_state))
+                         opt_state=keep(new_opt_state, state.opt_state), loss_scale=new_scale)
+  nonfinite = ~finite
   metrics = {
       "loss": loss,
       "tokens": weight_sum,
       "grad_norm": optax.tree.norm(grads),
       "param_norm": optax.tree.norm(new_state.params),
       "lr": lr_fn(state.step),
-      "nonfinite": 1 - finite.astype(jnp.int32),
   }
+  if loss_scale is not None:
+    at_floor = loss_scale.scale <= (precision_config or precision.PrecisionConfig()).min_scale
+    nonfinite = ~jnp.isfinite(loss) | (~grads_finite & at_floor)
+    metrics.update(loss_scale=loss_scale.scale, overflow=(~finite).astype(jnp.int32))
+  metrics["nonfinite"] = nonfinite.astype(jnp.int32)
   return new_state, metrics
 
 

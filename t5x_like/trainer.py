@@ -22,8 +22,10 @@ from t5x_like import mesh as mesh_lib
 from t5x_like import metrics as metrics_lib
 from t5x_like import model as model_lib
 from t5x_like import monitoring
+from t5x_like import offload
 from t5x_like import optimizer as optimizer_lib
 from t5x_like import partitioning
+from t5x_like import precision
 from t5x_like import profiling
 from t5x_like import train_state as train_state_lib
 from t5x_like import train_step as train_step_lib
@@ -56,6 +58,7 @@ class TrainConfig:
   debug_nan_steps: tuple = ()  # tests only: steps (1-based) whose batch gets NaN loss weights
   shuffle_buffer: int = 1024  # rows in the training shuffle buffer
   axis_rules: Optional[tuple] = None  # logical→mesh rules; None = partitioning.DEFAULT_RULES
+  offload_optimizer: bool = False  # ZeRO-Offload: AdamW state in pinned host memory (GPU/TPU; refused on CPU)
   prometheus_port: int = 0  # serve the logged figures at http://prometheus_host:PORT/metrics; 0 = off
   prometheus_host: str = "127.0.0.1"  # address the Prometheus endpoint binds; '0.0.0.0' exposes it
   profile_steps: Optional[tuple] = None  # (first, last): jax.profiler trace of these steps to MODEL_DIR/profile
@@ -99,8 +102,10 @@ class Experiment:
   """The pieces a run, an eval or a sampler need, built once under the mesh and the axis rules."""
 
   def __init__(self, config: TrainConfig, model_config: model_lib.GPTConfig,
-               optimizer_config: optimizer_lib.OptimizerConfig):
+               optimizer_config: optimizer_lib.OptimizerConfig,
+               precision_config: Optional[precision.PrecisionConfig] = None):
     self.config = config
+    self.precision_config = precision_config or precision.PrecisionConfig()
     self.manifest = input_pipeline.load_manifest(config.data_dir)
     self.mesh = mesh_lib.create_mesh(config.mesh_shape)
     validate_layout(config, self.mesh)
@@ -112,17 +117,23 @@ class Experiment:
     self.batch_sharding = partitioning.batch_sharding(self.mesh, self.rules)
     with self.context():
       self.abstract_state, self.state_shardings = train_state_lib.state_shardings(
-          self.model, self.tx, self.mesh, self.rules)
+          self.model, self.tx, self.mesh, self.rules, loss_scale=self.initial_loss_scale())
+    if config.offload_optimizer:
+      self.state_shardings = offload.offload_shardings(self.state_shardings)
 
   def context(self):
     """Mesh + logical rules: entered before any trace, or sharding constraints silently vanish."""
     return _Context(self.mesh, self.rules)
 
+  def initial_loss_scale(self):
+    """The dynamic loss-scale state a fresh TrainState starts with (None without loss scaling)."""
+    return precision.init_loss_scale(self.precision_config, self.model_config.dtype)
+
   def init_state(self):
     with self.context():
       state, _ = train_state_lib.init_state(self.model, self.tx, jax.random.key(self.config.seed),
-                                            self.mesh, self.rules)
-    return state
+                                            self.mesh, self.rules, loss_scale=self.initial_loss_scale())
+    return jax.device_put(state, self.state_shardings)  # a no-op unless the optimizer state is offloaded
 
   def dataset(self, split: str, *, shuffle: bool, repeat: bool):
     return input_pipeline.make_dataset(
@@ -132,7 +143,10 @@ class Experiment:
 
   def jit_train_step(self):
     step = functools.partial(train_step_lib.train_step, apply_fn=self.model.apply, tx=self.tx,
-                             lr_fn=self.lr_fn, num_microbatches=self.config.num_microbatches)
+                             lr_fn=self.lr_fn, num_microbatches=self.config.num_microbatches,
+                             precision_config=self.precision_config)
+    if self.config.offload_optimizer:
+      step = offload.with_device_opt_state(step, self.state_shardings)
     batch_sh = {k: self.batch_sharding for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
     return jax.jit(step, in_shardings=(self.state_shardings, batch_sh),
                    out_shardings=(self.state_shardings, None), donate_argnums=(0,))
@@ -187,7 +201,8 @@ class _Context:
 
 
 def train(config: TrainConfig, model_config: model_lib.GPTConfig,
-          optimizer_config: optimizer_lib.OptimizerConfig) -> dict:
+          optimizer_config: optimizer_lib.OptimizerConfig,
+          precision_config: Optional[precision.PrecisionConfig] = None) -> dict:
   """Trains until `config.train_steps`, resuming from the newest good checkpoint in MODEL_DIR.
 
   Returns:
@@ -195,7 +210,7 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
   """
   if not config.model_dir:
     raise ValueError("MODEL_DIR is not set: pass --gin.MODEL_DIR=\"'/path/to/run'\"")
-  exp = Experiment(config, model_config, optimizer_config)
+  exp = Experiment(config, model_config, optimizer_config, precision_config)
   is_primary = jax.process_index() == 0
   fault_tolerance.check_writable(config.model_dir)
   tf.io.gfile.makedirs(config.model_dir)
