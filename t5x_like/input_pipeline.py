@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from t5x_like import packing
@@ -332,3 +333,25 @@ class DataIterator:
     if depth is not None:
       out["prefetch_depth"] = float(depth)
     return out
+
+
+def unigram_baseline(data_dir: str, max_tokens: int = 20_000_000, seq_len: int = 1023) -> float:
+  """Cross-entropy (nats/token) of the validation targets under the train split's unigram distribution
+  (add-one smoothed, from at most `max_tokens` train tokens): the loss a model that ignores context gets.
+
+  A trained model's eval/loss should sit well below it.
+  """
+  counts = {}
+  for split, cap in (("train", max_tokens), ("validation", max_tokens)):
+    seen = np.zeros(int(load_manifest(data_dir, verify="none")["vocab_size"]), np.int64)
+    ds = make_dataset(data_dir, split, batch_size=16, seq_len=seq_len, shuffle=False, repeat=False,
+                      process_index=0, process_count=1)
+    for batch in ds:
+      targets = batch["targets"].numpy()[batch["weights"].numpy() > 0]
+      seen += np.bincount(targets, minlength=seen.size)[:seen.size]
+      if seen.sum() >= cap:
+        break
+    counts[split] = seen
+  train, val = counts["train"], counts["validation"]
+  log_p = np.log((train + 1) / (train.sum() + train.size))
+  return float(-(val * log_p).sum() / max(val.sum(), 1))

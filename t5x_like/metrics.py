@@ -1,6 +1,7 @@
 """Metric sinks (clu writers + MODEL_DIR/metrics.jsonl) and the log-interval meter that turns per-step
 device metrics into loss, throughput, MFU, time split, memory and queue-depth scalars."""
 
+import contextlib
 import json
 import math
 import os
@@ -120,7 +121,9 @@ class IntervalMeter:
 
   The loop calls `begin_step()` before fetching a batch, `data_ready()` once the global batch exists,
   `end_step(metrics)` after dispatching the step, and `summary()` at log steps (the only host sync).
-  Time outside begin/end (evaluation, checkpointing, profiling set-up) is not counted. The first step
+  Step time is the interval's wall-clock time (dispatch is asynchronous, so the device's work shows up
+  wherever the host next waits for it) less what the loop runs under `excluded()`: evaluation and
+  checkpoint saves. The first step
   of a launch (`compiling=True`) is blocked on and reported as compile_seconds; its time and tokens
   are left out of throughput.
 
@@ -143,12 +146,25 @@ class IntervalMeter:
 
   def _reset(self):
     self._records = []
+    self._interval_start = None
+    self._excluded_seconds = 0.0
     self._timed_steps = 0
     self._step_seconds = 0.0
     self._data_seconds = 0.0
 
   def begin_step(self) -> None:
     self._t0 = time.perf_counter()
+    if self._interval_start is None:
+      self._interval_start = self._t0
+
+  @contextlib.contextmanager
+  def excluded(self):
+    """Time spent inside (evaluation, checkpointing) is not training-step time."""
+    t0 = time.perf_counter()
+    try:
+      yield
+    finally:
+      self._excluded_seconds += time.perf_counter() - t0
 
   def data_ready(self) -> None:
     self._t_data = time.perf_counter() - self._t0
@@ -159,10 +175,10 @@ class IntervalMeter:
     if compiling:
       jax.block_until_ready(step_metrics)
       self._compile_seconds = time.perf_counter() - self._t0 - self._t_data
+      self._interval_start, self._excluded_seconds = None, 0.0  # throughput starts after compilation
     else:
       if sync:
         jax.block_until_ready(step_metrics)
-      self._step_seconds += time.perf_counter() - self._t0
       self._data_seconds += self._t_data
       self._timed_steps += 1
     self._records.append(step_metrics)
@@ -176,9 +192,9 @@ class IntervalMeter:
     Adds device/host memory and, given the training tf.data iterator, the batches waiting in its
     prefetch buffer (data_queue_depth).
     """
-    t0 = time.perf_counter()
-    records = jax.device_get(self._records)
-    self._step_seconds += time.perf_counter() - t0  # waiting here is device time of the interval's steps
+    records = jax.device_get(self._records)  # waiting here is device time of the interval's steps
+    if self._interval_start is not None:
+      self._step_seconds = time.perf_counter() - self._interval_start - self._excluded_seconds
     out = mean_step_metrics(records)
     self.nonfinite_total += out["nonfinite_steps"]
     out["nonfinite_steps_total"] = self.nonfinite_total

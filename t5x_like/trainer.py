@@ -57,6 +57,8 @@ class TrainConfig:
   warm_start_optimizer: bool = False  # also take its optimizer state (same optimizer); False = fresh, step 0
   debug_nan_steps: tuple = ()  # tests only: steps (1-based) whose batch gets NaN loss weights
   shuffle_buffer: int = 1024  # rows in the training shuffle buffer
+  report_unigram_baseline: bool = False  # with the final eval, log the context-free unigram loss to beat
+  data_streams: int = 0  # data readers; fixed → same batches on any process count; 0 = one per process
   axis_rules: Optional[tuple] = None  # logical→mesh rules; None = partitioning.DEFAULT_RULES
   offload_optimizer: bool = False  # ZeRO-Offload: AdamW state in pinned host memory (GPU/TPU; refused on CPU)
   prometheus_port: int = 0  # serve the logged figures at http://prometheus_host:PORT/metrics; 0 = off
@@ -108,8 +110,8 @@ class Experiment:
     self.precision_config = precision_config or precision.PrecisionConfig()
     self.manifest = input_pipeline.load_manifest(config.data_dir)
     self.mesh = mesh_lib.create_mesh(config.mesh_shape)
-    validate_layout(config, self.mesh)
     self.model_config = resolve_model_config(model_config, self.manifest, self.mesh, config.seq_len)
+    validate_layout(config, self.mesh, self.model_config)  # before anything compiles
     self.rules = tuple(config.axis_rules or partitioning.DEFAULT_RULES)
     self.model = model_lib.GPT(self.model_config)
     self.lr_fn = optimizer_lib.learning_rate_schedule(optimizer_config, config.train_steps)
@@ -136,10 +138,32 @@ class Experiment:
     return jax.device_put(state, self.state_shardings)  # a no-op unless the optimizer state is offloaded
 
   def dataset(self, split: str, *, shuffle: bool, repeat: bool):
-    return input_pipeline.make_dataset(
-        self.config.data_dir, split, batch_size=self.config.batch_size // jax.process_count(),
-        seq_len=self.config.seq_len, seed=self.config.seed, shuffle=shuffle, repeat=repeat,
-        shuffle_buffer=self.config.shuffle_buffer)
+    """This process's rows of every global batch (see global_batch.process_rows)."""
+    num_streams = self.config.data_streams or jax.process_count()
+    for s in range(num_streams):
+      shards, _ = input_pipeline.host_shards(self.manifest, self.config.data_dir, split, s, num_streams)
+      if not sum(records for _, records in shards):
+        raise ValueError(f"DATA_DIR '{self.config.data_dir}' split '{split}' has too few records for "
+                         f"{num_streams} data streams: stream {s} would read nothing (lower "
+                         f"TrainConfig.data_streams or write more shards)")
+
+    def stream(stream_index, num_streams, batch_size):
+      return input_pipeline.make_dataset(
+          self.config.data_dir, split, batch_size=batch_size, seq_len=self.config.seq_len,
+          seed=self.config.seed, shuffle=shuffle, repeat=repeat, shuffle_buffer=self.config.shuffle_buffer,
+          process_index=stream_index, process_count=num_streams)
+    return global_batch.process_rows(stream, num_streams=num_streams, global_batch_size=self.config.batch_size,
+                                     process_index=jax.process_index(), process_count=jax.process_count())
+
+  def eval_dataset(self, split: str = "validation", repeat: bool = True):
+    """Evaluation batches, identical on any process layout (and the same count on every process): each
+    process reads the whole (small) split in one fixed order and keeps its own rows of each global batch."""
+    rows = self.config.batch_size // jax.process_count()
+    first = jax.process_index() * rows
+    ds = input_pipeline.make_dataset(self.config.data_dir, split, batch_size=self.config.batch_size,
+                                     seq_len=self.config.seq_len, seed=self.config.seed, shuffle=False,
+                                     repeat=repeat, process_index=0, process_count=1)
+    return ds.map(lambda batch: {key: value[first:first + rows] for key, value in batch.items()})
 
   def jit_train_step(self):
     step = functools.partial(train_step_lib.train_step, apply_fn=self.model.apply, tx=self.tx,
@@ -170,7 +194,7 @@ class Experiment:
     batches every time), and its perplexity exp(loss)."""
     eval_step = eval_step or self.jit_eval_step()
     num_batches = self.num_eval_batches(split)
-    batches = self.dataset(split, shuffle=False, repeat=num_batches is not None)
+    batches = self.eval_dataset(split, repeat=num_batches is not None)
     if num_batches is not None:
       batches = batches.take(num_batches)
     loss_sum, weight_sum, count = 0.0, 0.0, 0
@@ -277,18 +301,24 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
                                                      scalars.get("step_seconds")))
         last.update(scalars)
       if (config.eval_every and step % config.eval_every == 0) or step == config.train_steps:
-        result = exp.evaluate(state.params, eval_fn)
+        with meter.excluded():
+          result = exp.evaluate(state.params, eval_fn)
+          if config.report_unigram_baseline and step == config.train_steps:
+            result["eval/unigram_baseline"] = input_pipeline.unigram_baseline(config.data_dir)
         logger.write(step, result)
         exporter.update(result, step=step, train_steps=config.train_steps)
-        logging.info("step %d: eval loss %.4f perplexity %.2f", step, result["eval/loss"],
-                     result["eval/perplexity"])
+        logging.info("step %d: eval loss %.4f perplexity %.2f%s", step, result["eval/loss"],
+                     result["eval/perplexity"],
+                     f" (unigram baseline {result['eval/unigram_baseline']:.4f})"
+                     if "eval/unigram_baseline" in result else "")
         last.update(result)
       if guard.after_step(step, step_metrics):  # non-finite streak under nonfinite_action='rollback'
         step, state = guard.rollback()
         continue
       preempted = guard.preempted(step)  # SIGTERM/SIGINT: checkpoint now, then exit 75
       if step % config.checkpoint_every == 0 or step == config.train_steps or preempted:
-        guard.save(step, state, train_iter, {**metadata, "step": step})
+        with meter.excluded():
+          guard.save(step, state, train_iter, {**metadata, "step": step})
       if preempted:
         break
     guard.finish(step)  # waits for the last save; the final one must have committed

@@ -1,6 +1,5 @@
 """End to end: text → shards → a tiny GPT that learns → a restart that continues; bad input fails clearly."""
 
-import collections
 import json
 import math
 import os
@@ -44,20 +43,6 @@ def dataset(tmp_path_factory):
   return str(root / "ds")
 
 
-def unigram_entropy(data_dir):
-  """Cross-entropy (nats/token) of the validation tokens under the train split's unigram distribution."""
-  counts = {}
-  for split in ("train", "validation"):
-    ds = input_pipeline.make_dataset(data_dir, split, batch_size=1, seq_len=63, shuffle=False, repeat=False)
-    tokens = np.concatenate([b["targets"].numpy()[b["weights"].numpy() > 0] for b in ds])
-    counts[split] = collections.Counter(tokens.tolist())
-  total = sum(counts["train"].values())
-  vocab = len(set(counts["train"]) | set(counts["validation"]))
-  n_val = sum(counts["validation"].values())
-  return -sum(c * math.log((counts["train"].get(t, 0) + 1) / (total + vocab))
-              for t, c in counts["validation"].items()) / n_val
-
-
 def run_config(model_dir, data_dir, **overrides):
   base = dict(model_dir=model_dir, data_dir=data_dir, train_steps=80, batch_size=8, seq_len=32, seed=0,
               log_every=10, eval_every=40, checkpoint_every=40, mesh_shape={"data": -1})
@@ -66,8 +51,9 @@ def run_config(model_dir, data_dir, **overrides):
 
 
 def test_tiny_model_learns_far_below_unigram_baseline(dataset, tmp_path):
-  result = trainer.train(run_config(str(tmp_path / "run"), dataset), TINY, OPT)
-  baseline = unigram_entropy(dataset)
+  result = trainer.train(run_config(str(tmp_path / "run"), dataset, report_unigram_baseline=True), TINY, OPT)
+  baseline = input_pipeline.unigram_baseline(dataset)
+  assert result["eval/unigram_baseline"] == baseline
   assert result["eval/loss"] < 0.6 * baseline, (result["eval/loss"], baseline)
   assert math.isclose(result["eval/perplexity"], math.exp(result["eval/loss"]), rel_tol=1e-9)
   run = tmp_path / "run"
