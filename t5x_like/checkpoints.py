@@ -19,6 +19,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorflow as tf
 
+from t5x_like import input_pipeline
+
 STATE, DATA_ITER, METADATA = "state", "data_iter", "metadata"
 CORRUPT_DIR = "checkpoints.corrupt"  # unreadable steps are moved here (MODEL_DIR/checkpoints.corrupt/<step>-<time>)
 
@@ -211,10 +213,7 @@ def code_version() -> str:
 
 
 def file_sha256(path: str) -> Optional[str]:
-  if not tf.io.gfile.exists(path):
-    return None
-  with tf.io.gfile.GFile(path, "rb") as f:
-    return hashlib.sha256(f.read()).hexdigest()
+  return input_pipeline.file_sha256(path) if tf.io.gfile.exists(path) else None
 
 
 def run_metadata(*, mesh_shape, data_dir: str, gin_config: str, **extra) -> dict:

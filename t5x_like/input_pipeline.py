@@ -39,7 +39,8 @@ def resolve_path(data_dir: str, rel: str) -> str:
   return _join(data_dir, norm)
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
+  """SHA-256 of a file on any TF filesystem, read in 4 MiB chunks."""
   h = hashlib.sha256()
   with tf.io.gfile.GFile(path, "rb") as f:
     while chunk := f.read(1 << 22):
@@ -83,7 +84,7 @@ def load_manifest(data_dir: str, *, verify: str = "size") -> dict:
   tok = resolve_path(data_dir, manifest["tokenizer"])
   if not tf.io.gfile.exists(tok):
     raise FileNotFoundError(f"Tokenizer '{tok}' listed in {path} is missing")
-  if verify != "none" and _sha256(tok) != manifest["tokenizer_sha256"]:
+  if verify != "none" and file_sha256(tok) != manifest["tokenizer_sha256"]:
     raise ValueError(f"Tokenizer '{tok}' does not match tokenizer_sha256 in {path}: the shards "
                      "were written with another tokenizer; re-run preprocess")
   for split, entry in manifest["splits"].items():
@@ -103,7 +104,7 @@ def load_manifest(data_dir: str, *, verify: str = "size") -> dict:
         if size != s["num_bytes"]:
           raise ValueError(f"Shard '{f}' has {size} bytes but {path} says {s['num_bytes']}: "
                            "truncated, corrupt or from another run")
-      if verify == "sha256" and "sha256" in s and _sha256(f) != s["sha256"]:
+      if verify == "sha256" and "sha256" in s and file_sha256(f) != s["sha256"]:
         raise ValueError(f"Shard '{f}' does not match its sha256 in {path}")
   if verify not in ("none", "size", "sha256"):
     raise ValueError(f"verify must be 'none', 'size' or 'sha256', got '{verify}'")

@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from t5x_like import packing
+from t5x_like.input_pipeline import file_sha256
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -85,14 +86,6 @@ def serialize(tokens: np.ndarray) -> bytes:
   """One `tf.train.Example` with int64 feature "tokens"."""
   feature = tf.train.Feature(int64_list=tf.train.Int64List(value=np.asarray(tokens).tolist()))
   return tf.train.Example(features=tf.train.Features(feature={"tokens": feature})).SerializeToString()
-
-
-def file_sha256(path: str) -> str:
-  h = hashlib.sha256()
-  with tf.io.gfile.GFile(path, "rb") as f:
-    while chunk := f.read(1 << 22):
-      h.update(chunk)
-  return h.hexdigest()
 
 
 def write_records(path: str, records: Iterable[bytes]) -> dict:
