@@ -105,6 +105,9 @@ def mean_step_metrics(records: list) -> dict:
       "loss_tokens": float(tokens.sum()),
       "nonfinite_steps": int(sum(int(r["nonfinite"]) for r in records)),
   }
+  if "loss_scale" in records[-1]:  # dynamic loss scaling (float16): skipped steps and the current scale
+    out["overflow_steps"] = int(sum(int(r["overflow"]) for r in records))
+    out["loss_scale"] = float(records[-1]["loss_scale"])
   if len(records) == 1:
     out["loss"] = float(records[0]["loss"])
   out["perplexity"] = perplexity(out["loss"])
