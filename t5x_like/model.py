@@ -165,7 +165,8 @@ class GPT(nn.Module):
   config: GPTConfig
 
   @nn.compact
-  def __call__(self, tokens, positions=None, segment_ids=None, cache=None, cache_index=None):
+  def __call__(self, tokens, positions=None, segment_ids=None, cache=None, cache_index=None,
+               return_hidden: bool = False):
     """Forward pass.
 
     Args:
@@ -174,6 +175,8 @@ class GPT(nn.Module):
       segment_ids: (B, T) document ids, 0 = padding; default all ones.
       cache: decoding only: `init_cache(...)`, the keys/values of earlier chunks.
       cache_index: decoding only: the cache slot of this chunk's first token (scalar int).
+      return_hidden: return the final LayerNorm's output (B, T, D) instead of logits, for a loss that
+        projects it chunk by chunk (`project_logits`).
 
     Returns:
       (B, T, V) float32 logits, and the updated cache when `cache` was given.
@@ -202,9 +205,10 @@ class GPT(nn.Module):
     else:
       x = scan_blocks(cfg, blocks, x, layers.causal_segment_mask(segment_ids))
     x = layers.LayerNorm(dtype=cfg.compute_dtype, epsilon=cfg.layer_norm_epsilon, name="ln_f")(x)
+    if return_hidden and not self.is_initializing():
+      return x
     if cfg.tie_embeddings:
-      logits = jnp.einsum("btd,vd->btv", x, embedding.astype(cfg.compute_dtype),
-                          preferred_element_type=jnp.float32)
+      logits = project_logits({"token_embedding": embedding}, x, cfg)
     else:
       logits = layers.DenseGeneral((cfg.d_model,), (cfg.vocab_size,), (ax.EMBED, ax.VOCAB), (ax.VOCAB,),
                                    dtype=cfg.compute_dtype, name="lm_head")(x).astype(jnp.float32)
@@ -227,6 +231,20 @@ class GPT(nn.Module):
 
     x, (k, v) = jax.lax.scan(body, x, (blocks, cache["k"], cache["v"]))
     return x, {"k": k, "v": v, "segment_ids": seg}
+
+
+def project_logits(params, hidden: jax.Array, config: GPTConfig) -> jax.Array:
+  """Final hidden states (B, T, D) → float32 logits (B, T, V) with the model's output projection
+  (the tied token embedding, or the untied `lm_head`), vocabulary-sharded like the full model's."""
+  dtype = config.compute_dtype
+  if config.tie_embeddings:
+    logits = jnp.einsum("btd,vd->btv", hidden.astype(dtype), params["token_embedding"].astype(dtype),
+                        preferred_element_type=jnp.float32)
+  else:
+    head = params["lm_head"]
+    logits = (jnp.einsum("btd,dv->btv", hidden.astype(dtype), head["kernel"].astype(dtype))
+              + head["bias"].astype(dtype)).astype(jnp.float32)
+  return layers.constrain(logits, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB))
 
 
 def init_cache(config: GPTConfig, batch: int, length: int, dtype=None) -> dict:

@@ -25,10 +25,40 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array
   return jnp.sum((log_z - target_logit) * weights), jnp.sum(weights)
 
 
-def loss_sums(params, apply_fn: Callable, batch: Batch):
-  """Forward pass on one (micro)batch → (loss sum, weight sum)."""
-  logits = apply_fn({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"])
-  return cross_entropy_sums(logits, batch["targets"], batch["weights"])
+def chunked_cross_entropy_sums(logits_fn: Callable, hidden: jax.Array, targets: jax.Array,
+                               weights: jax.Array, chunk: int):
+  """cross_entropy_sums without the (B, L, V) float32 logits: the sequence is cut into chunks of
+  `chunk` positions, each projected to logits, reduced and dropped (and recomputed in the backward
+  pass), so the largest live logits block is (B, chunk, V). hidden: (B, L, D); L % chunk == 0."""
+  b, length, d = hidden.shape
+  n = length // chunk
+  split = lambda x: jnp.swapaxes(x.reshape((b, n, chunk) + x.shape[2:]), 0, 1)  # (n, B, chunk, ...)
+
+  @jax.checkpoint
+  def one(h, t, w):
+    return cross_entropy_sums(logits_fn(h), t, w)
+
+  def body(carry, xs):
+    loss, weight = one(*xs)
+    return (carry[0] + loss, carry[1] + weight), None
+
+  zero = jnp.zeros((), jnp.float32)
+  return jax.lax.scan(body, (zero, zero), (split(hidden), split(targets), split(weights)))[0]
+
+
+def loss_sums(params, apply_fn: Callable, batch: Batch, logits_fn: Optional[Callable] = None,
+              loss_chunk: int = 0):
+  """Forward pass on one (micro)batch → (loss sum, weight sum).
+
+  With `loss_chunk` > 0 and `logits_fn(params, hidden)` (model.project_logits), the loss is computed
+  chunk by chunk over the sequence (chunked_cross_entropy_sums); the result is the same.
+  """
+  args = (batch["inputs"], batch["positions"], batch["segment_ids"])
+  if loss_chunk and logits_fn is not None and batch["inputs"].shape[1] > loss_chunk:
+    hidden = apply_fn({"params": params}, *args, return_hidden=True)
+    return chunked_cross_entropy_sums(lambda h: logits_fn(params, h), hidden, batch["targets"],
+                                      batch["weights"], loss_chunk)
+  return cross_entropy_sums(apply_fn({"params": params}, *args), batch["targets"], batch["weights"])
 
 
 def split_microbatches(batch: Batch, num_microbatches: int) -> Batch:
@@ -40,15 +70,15 @@ def split_microbatches(batch: Batch, num_microbatches: int) -> Batch:
 
 
 def accumulated_grads(params, apply_fn: Callable, batch: Batch, num_microbatches: int,
-                      loss_multiplier: Optional[jax.Array] = None):
+                      loss_multiplier: Optional[jax.Array] = None, loss_kwargs: Optional[dict] = None):
   """Gradients of the summed loss over `num_microbatches` sequential microbatches.
 
   Returns (grad of Σ loss, Σ loss, Σ weight); dividing by Σ weight gives the exact full-batch mean,
   whatever the padding in each microbatch. With `loss_multiplier` c the gradients are of c·Σ loss
-  (loss scaling); the returned Σ loss is not multiplied.
+  (loss scaling); the returned Σ loss is not multiplied. `loss_kwargs` go to loss_sums.
   """
   def scaled_loss(p, micro):
-    loss_sum, weight_sum = loss_sums(p, apply_fn, micro)
+    loss_sum, weight_sum = loss_sums(p, apply_fn, micro, **(loss_kwargs or {}))
     return loss_sum if loss_multiplier is None else loss_sum * loss_multiplier, (loss_sum, weight_sum)
 
   grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
@@ -73,7 +103,8 @@ def all_finite(tree: Any) -> jax.Array:
 
 def train_step(state: TrainState, batch: Batch, *, apply_fn: Callable, tx: optax.GradientTransformation,
                lr_fn: Callable, num_microbatches: int = 1,
-               precision_config: Optional[precision.PrecisionConfig] = None):
+               precision_config: Optional[precision.PrecisionConfig] = None,
+               loss_kwargs: Optional[dict] = None):
   """One optimizer step. A step whose loss or gradients are not finite leaves params and optimizer
   state untouched (the step counter still advances) and reports `nonfinite` = 1.
 
@@ -88,13 +119,14 @@ def train_step(state: TrainState, batch: Batch, *, apply_fn: Callable, tx: optax
   """
   loss_scale = state.loss_scale
   if loss_scale is None:
-    grads, loss_sum, weight_sum = accumulated_grads(state.params, apply_fn, batch, num_microbatches)
+    grads, loss_sum, weight_sum = accumulated_grads(state.params, apply_fn, batch, num_microbatches,
+                                                    loss_kwargs=loss_kwargs)
     denom = jnp.maximum(weight_sum, 1.0)
     grads = jax.tree.map(lambda g: g / denom, grads)
   else:  # differentiate S·(token mean): a sum over many tokens would overflow float16 weight gradients
     denom = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
     grads, loss_sum, weight_sum = accumulated_grads(state.params, apply_fn, batch, num_microbatches,
-                                                    loss_scale.scale / denom)
+                                                    loss_scale.scale / denom, loss_kwargs)
     grads = precision.unscale_grads(grads, loss_scale)
   loss = loss_sum / denom
   updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
@@ -123,6 +155,6 @@ def train_step(state: TrainState, batch: Batch, *, apply_fn: Callable, tx: optax
   return new_state, metrics
 
 
-def eval_step(params, batch: Batch, *, apply_fn: Callable):
+def eval_step(params, batch: Batch, *, apply_fn: Callable, loss_kwargs: Optional[dict] = None):
   """(Σ loss, Σ weight) over one batch; the caller sums over batches and divides."""
-  return loss_sums(params, apply_fn, batch)
+  return loss_sums(params, apply_fn, batch, **(loss_kwargs or {}))

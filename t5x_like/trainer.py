@@ -58,6 +58,7 @@ class TrainConfig:
   debug_nan_steps: tuple = ()  # tests only: steps (1-based) whose batch gets NaN loss weights
   shuffle_buffer: int = 1024  # rows in the training shuffle buffer
   report_unigram_baseline: bool = False  # with the final eval, log the context-free unigram loss to beat
+  loss_chunk: int = 0  # >0: loss over sequence chunks of this many positions, never the full (B,L,V) logits
   data_streams: int = 0  # data readers; fixed → same batches on any process count; 0 = one per process
   axis_rules: Optional[tuple] = None  # logical→mesh rules; None = partitioning.DEFAULT_RULES
   offload_optimizer: bool = False  # ZeRO-Offload: AdamW state in pinned host memory (GPU/TPU; refused on CPU)
@@ -165,10 +166,15 @@ class Experiment:
                                      repeat=repeat, process_index=0, process_count=1)
     return ds.map(lambda batch: {key: value[first:first + rows] for key, value in batch.items()})
 
+  def loss_kwargs(self) -> dict:
+    """How the loss is computed: chunked over the sequence when TrainConfig.loss_chunk is set."""
+    return {"logits_fn": functools.partial(model_lib.project_logits, config=self.model_config),
+            "loss_chunk": self.config.loss_chunk}
+
   def jit_train_step(self):
     step = functools.partial(train_step_lib.train_step, apply_fn=self.model.apply, tx=self.tx,
                              lr_fn=self.lr_fn, num_microbatches=self.config.num_microbatches,
-                             precision_config=self.precision_config)
+                             precision_config=self.precision_config, loss_kwargs=self.loss_kwargs())
     if self.config.offload_optimizer:
       step = offload.with_device_opt_state(step, self.state_shardings)
     batch_sh = {k: self.batch_sharding for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
@@ -176,7 +182,8 @@ class Experiment:
                    out_shardings=(self.state_shardings, None), donate_argnums=(0,))
 
   def jit_eval_step(self):
-    return jax.jit(functools.partial(train_step_lib.eval_step, apply_fn=self.model.apply),
+    return jax.jit(functools.partial(train_step_lib.eval_step, apply_fn=self.model.apply,
+                                     loss_kwargs=self.loss_kwargs()),
                    in_shardings=(self.state_shardings.params, self.batch_sharding))
 
   def num_eval_batches(self, split: str = "validation") -> Optional[int]:

@@ -66,8 +66,10 @@ def test_tiny_model_learns_far_below_unigram_baseline(dataset, tmp_path):
 
 def test_restart_continues_from_saved_step(dataset, tmp_path):
   model_dir = str(tmp_path / "run")
-  trainer.train(run_config(model_dir, dataset, train_steps=4, log_every=1, checkpoint_every=2, eval_every=0), TINY, OPT)
-  trainer.train(run_config(model_dir, dataset, train_steps=6, log_every=1, checkpoint_every=2, eval_every=0), TINY, OPT)
+  # (also runs the chunked loss through the trainer: loss_chunk=16 of SEQ_LEN=32)
+  for steps in (4, 6):
+    trainer.train(run_config(model_dir, dataset, train_steps=steps, log_every=1, checkpoint_every=2, eval_every=0,
+                             loss_chunk=16), TINY, OPT)
   steps = [json.loads(line)["step"] for line in open(os.path.join(model_dir, "metrics.jsonl"))
            if "loss" in json.loads(line)]
   assert steps == [1, 2, 3, 4, 5, 6]  # the second launch started at 5, not 1
