@@ -74,6 +74,9 @@ class NoUsableCheckpointError(ValueError):
 
 
 def checkpoint_dir(model_dir: str) -> str:
+  """MODEL_DIR/checkpoints, made absolute for local paths (orbax refuses relative ones)."""
+  if "://" not in model_dir:
+    model_dir = os.path.abspath(model_dir)
   return os.path.join(model_dir, "checkpoints")
 
 

@@ -64,8 +64,9 @@ def test_tiny_model_learns_far_below_unigram_baseline(dataset, tmp_path):
   assert {"lr", "grad_norm", "tokens_per_sec", "mfu"} <= set(records[0])
 
 
-def test_restart_continues_from_saved_step(dataset, tmp_path):
-  model_dir = str(tmp_path / "run")
+def test_restart_continues_from_saved_step(dataset, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  model_dir = "run"  # a relative MODEL_DIR, as the demo config uses
   # (also runs the chunked loss through the trainer: loss_chunk=16 of SEQ_LEN=32)
   for steps in (4, 6):
     trainer.train(run_config(model_dir, dataset, train_steps=steps, log_every=1, checkpoint_every=2, eval_every=0,
