@@ -5,6 +5,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import flags  # pylint: disable=g-import-not-at-top
+from absl import logging
 import jax
 import numpy as np
 
@@ -33,14 +34,23 @@ def define_flags() -> None:
 
 
 def load_params(exp: trainer.Experiment, step=None):
-  """Parameters of the newest readable checkpoint (or `step`), restored onto the experiment's mesh."""
-  manager = checkpoints.make_manager(exp.config.model_dir, max_to_keep=None, async_save=False)
-  abstract = checkpoints.abstract_with_shardings(exp.abstract_state, exp.state_shardings)
-  found, state, _ = checkpoints.restore_latest(manager, abstract, step=step)
-  if state is None:
-    raise FileNotFoundError(f"no readable checkpoint in {checkpoints.checkpoint_dir(exp.config.model_dir)}"
-                            + (f" at step {step}" if step is not None else ""))
-  return found, state.params
+  """Parameters of the newest readable checkpoint (or `step`), restored onto the experiment's mesh.
+
+  Reads the parameters only (not the optimizer state, twice their size); an unreadable newest step
+  falls back to the one before it, as training does.
+  """
+  abstract = checkpoints.abstract_with_shardings(exp.abstract_state, exp.state_shardings).params
+  steps = [step] if step is not None else sorted(checkpoints.committed_steps(exp.config.model_dir), reverse=True)
+  for candidate in steps:
+    try:
+      return checkpoints.restore_params(exp.config.model_dir, candidate, abstract_params=abstract)
+    except FileNotFoundError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except  # orbax surfaces corruption as many types
+      logging.warning("checkpoint step %d is unreadable (%s); trying an older one", candidate,
+                      checkpoints.error_line(e))
+  raise FileNotFoundError(f"no readable checkpoint in {checkpoints.checkpoint_dir(exp.config.model_dir)}"
+                          + (f" at step {step}" if step is not None else ""))
 
 
 def main(argv):
