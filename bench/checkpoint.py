@@ -23,12 +23,12 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from t5x_like import checkpoints
-from t5x_like import mesh as mesh_lib
-from t5x_like import model as model_lib
-from t5x_like import optimizer as optimizer_lib
-from t5x_like import partitioning
-from t5x_like import train_state as train_state_lib
+from t5x_like.training import checkpointing as checkpoints
+from t5x_like.parallel import mesh as mesh_lib
+from t5x_like.model import decoder as model_lib
+from t5x_like.training import optimizer as optimizer_lib
+from t5x_like.parallel import partitioning
+from t5x_like.training import train_state as train_state_lib
 
 
 def make_state(config: model_lib.GPTConfig):

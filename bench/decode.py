@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5x_like import model as model_lib
-from t5x_like import partitioning
-from t5x_like import sampling
+from t5x_like.model import decoder as model_lib
+from t5x_like.parallel import partitioning
+from t5x_like.model import decoding as sampling
 
 
 def timed(fn, repeats: int) -> tuple:

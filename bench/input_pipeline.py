@@ -23,8 +23,8 @@ _WORK_DIR = flags.DEFINE_string("work_dir", None, "Where to write the synthetic 
 def write_synthetic(out_dir: str, tokens: int, shards: int, pack_length: int | None) -> None:
   """A DATA_DIR of random documents (log-normal lengths, mean ~1000 tokens) with a real manifest."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from t5x_like import shard_writer  # pylint: disable=g-import-not-at-top
-  from t5x_like import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  from t5x_like.data import shard_writer  # pylint: disable=g-import-not-at-top
+  from t5x_like.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   tok = tokenizer_lib.train_tokenizer(["the quick brown fox jumps over the lazy dog " * 50] * 20,
                                       None, vocab_size=300, num_threads=1)
@@ -65,7 +65,7 @@ def main(argv) -> None:
   del argv
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from t5x_like import input_pipeline as ip  # pylint: disable=g-import-not-at-top
+  from t5x_like.data import input_pipeline as ip  # pylint: disable=g-import-not-at-top
   length = _SEQ_LEN.value + 1
   work = _WORK_DIR.value or tempfile.mkdtemp(prefix="bench_input_")
   docs_dir, packed_dir = os.path.join(work, "docs"), os.path.join(work, "packed")
@@ -83,7 +83,7 @@ def main(argv) -> None:
         deterministic=True).batch(64)
 
   ragged = {"tokens": tf.io.RaggedFeature(tf.int64)}
-  from t5x_like import packing  # pylint: disable=g-import-not-at-top
+  from t5x_like.data import packing  # pylint: disable=g-import-not-at-top
   dtype = ip.load_manifest(packed_dir)["packed_dtype"]
   parse_docs = files(docs_dir).map(lambda s: tf.io.parse_example(s, ragged)["tokens"].flat_values,
                                    num_parallel_calls=tf.data.AUTOTUNE)

@@ -32,14 +32,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5x_like import layers
-from t5x_like import mesh as mesh_lib
-from t5x_like import model as model_lib
-from t5x_like import optimizer
-from t5x_like import partitioning
-from t5x_like import pipeline
-from t5x_like import train_state
-from t5x_like import train_step
+from t5x_like.model import layers
+from t5x_like.parallel import mesh as mesh_lib
+from t5x_like.model import blocks
+from t5x_like.model import config as config_lib
+from t5x_like.model import decoder as model_lib
+from t5x_like.training import optimizer
+from t5x_like.parallel import partitioning
+from t5x_like.model import pipeline_parallel as pipeline
+from t5x_like.training import train_state
+from t5x_like.training import step as train_step
 
 RULES = partitioning.DEFAULT_RULES
 LAYOUT_CFG = model_lib.GPTConfig(vocab_size=512, max_len=64, num_layers=4, num_heads=8, d_model=128, d_ff=512,
@@ -84,7 +86,7 @@ def layout_step_seconds(mesh_shape: dict, pipeline_microbatches: int, repeats: i
   cfg = dataclasses.replace(LAYOUT_CFG, num_stages=mesh.shape["pipeline"],
                             pipeline_microbatches=pipeline_microbatches)
   cfg.validate()
-  partitioning.check_layout(cfg, mesh.shape, LAYOUT_BATCH, 1)
+  config_lib.check_layout(cfg, mesh.shape, batch_size=LAYOUT_BATCH)
   model = model_lib.GPT(cfg)
   opt = optimizer.OptimizerConfig(warmup_steps=1)
   tx, lr_fn = optimizer.make_optimizer(opt, 100), optimizer.learning_rate_schedule(opt, 100)
@@ -112,7 +114,7 @@ def block_stack_seconds(stages: int, microbatches: int, repeats: int) -> float:
   cfg = dataclasses.replace(BUBBLE_CFG, num_stages=stages, pipeline_microbatches=microbatches)
   cfg.validate()
   mesh = mesh_lib.create_mesh({"pipeline": stages}, jax.devices()[:stages])
-  params = partitioning.unbox(model_lib.init_stacked_blocks(cfg, jax.random.key(0), cfg.num_layers))
+  params = partitioning.unbox(blocks.init_stacked_blocks(cfg, jax.random.key(0), cfg.num_layers))
   x = jax.random.normal(jax.random.key(1), (rows, BUBBLE_SEQ, cfg.d_model), jnp.float32)
   segment_ids = jnp.ones((rows, BUBBLE_SEQ), jnp.int32)
 
@@ -120,7 +122,7 @@ def block_stack_seconds(stages: int, microbatches: int, repeats: int) -> float:
     if stages > 1:
       out = pipeline.pipeline_blocks(cfg, p, h, segment_ids)
     else:
-      out = model_lib.scan_blocks(cfg, p, h, layers.causal_segment_mask(segment_ids))
+      out = blocks.scan_blocks(cfg, p, h, layers.causal_segment_mask(segment_ids))
     return jnp.mean(jnp.square(out))
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):

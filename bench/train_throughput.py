@@ -30,16 +30,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5x_like import flops
-from t5x_like import gin_utils
-from t5x_like import hardware
-from t5x_like import mesh as mesh_lib
-from t5x_like import model as model_lib
-from t5x_like import optimizer
-from t5x_like import partitioning
-from t5x_like import precision
-from t5x_like import train_state
-from t5x_like import train_step
+from t5x_like.observe import flops
+from t5x_like import cli as gin_utils
+from t5x_like.observe import hardware
+from t5x_like.parallel import mesh as mesh_lib
+from t5x_like.model import config as config_lib
+from t5x_like.model import decoder as model_lib
+from t5x_like.training import optimizer
+from t5x_like.parallel import partitioning
+from t5x_like.training import precision
+from t5x_like.training import train_state
+from t5x_like.training import step as train_step
 
 MODELS = {  # name → (gin file, vocabulary used for the synthetic tokens)
     "gpt_tiny": ("configs/models/gpt_tiny.gin", 4096),
@@ -94,7 +95,7 @@ def bench_point(cfg, batch: int, seq: int, steps: int, warmup: int, loss_scaling
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
     state, shardings = train_state.init_state(model, tx, jax.random.key(0), mesh, RULES, loss_scale=loss_scale)
     if offload_optimizer:
-      from t5x_like import offload  # pylint: disable=g-import-not-at-top
+      from t5x_like.parallel import offload  # pylint: disable=g-import-not-at-top
       shardings = offload.offload_shardings(shardings, params=False)
       state = jax.device_put(state, shardings)
     batch_sh = partitioning.batch_sharding(mesh, RULES)
@@ -130,7 +131,7 @@ def main():
   parser.add_argument("--batch_sizes", default="8", help="comma list of sequences per step")
   parser.add_argument("--seq_lens", default="256", help="comma list of tokens per sequence")
   parser.add_argument("--dtypes", default="float32,bfloat16", help="comma list of compute dtypes")
-  parser.add_argument("--remat_policies", default="none", help=f"comma list of {model_lib.REMAT_POLICIES}")
+  parser.add_argument("--remat_policies", default="none", help=f"comma list of {config_lib.REMAT_POLICIES}")
   parser.add_argument("--attention_impls", default="xla", help="comma list of reference, xla, cudnn")
   parser.add_argument("--steps", type=int, default=3, help="timed steps per point")
   parser.add_argument("--warmup", type=int, default=1, help="untimed steps after the first (compiling) one")

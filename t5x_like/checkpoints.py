@@ -1,347 +1,107 @@
-"""orbax CheckpointManager over MODEL_DIR/checkpoints: train state, per-process data-iterator state, metadata.
+"""`python -m t5x_like.checkpoints list|digest|inspect MODEL_DIR [--step N]`: look into a run's checkpoints."""
 
-Also `python -m t5x_like.checkpoints list|digest|inspect MODEL_DIR [--step N]` (see checkpoints_cli.py).
-"""
-
-import dataclasses
-import functools
-import hashlib
+import argparse
+import json
 import os
-import shutil
-import subprocess
-import time
-from typing import Any, Optional
+import sys
 
-from absl import logging
-from etils import epath
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
-import tensorflow as tf
 
-from t5x_like import input_pipeline
+from t5x_like.training import checkpointing as checkpoints
 
-STATE, DATA_ITER, METADATA = "state", "data_iter", "metadata"
-CORRUPT_DIR = "checkpoints.corrupt"  # unreadable steps are moved here (MODEL_DIR/checkpoints.corrupt/<step>-<time>)
+USAGE = """python -m t5x_like.checkpoints COMMAND MODEL_DIR [--step N]
 
-
-class DataIteratorHandler(ocp.CheckpointHandler):
-  """Saves each process's tf.data iterator with tf.train.Checkpoint (exact position, shuffle buffer too).
-
-  A plain (synchronous) handler: orbax writes it on the calling thread inside `manager.save()`, so the
-  iterator is captured before the loop draws the next batch.
-  """
-
-  def save(self, directory: epath.Path, args: "DataIteratorSave") -> None:
-    prefix = os.path.join(os.fspath(directory), f"process_{jax.process_index()}-of-{jax.process_count()}")
-    tf.train.Checkpoint(iterator=args.iterator).write(prefix)
-
-  def restore(self, directory: epath.Path, args: "DataIteratorRestore") -> Any:
-    prefix = os.path.join(os.fspath(directory), f"process_{jax.process_index()}-of-{jax.process_count()}")
-    if tf.io.gfile.exists(prefix + ".index"):
-      tf.train.Checkpoint(iterator=args.iterator).read(prefix).assert_consumed()
-      return args.iterator
-    saved = tf.io.gfile.glob(os.path.join(os.fspath(directory), "process_*.index"))
-    if not saved:
-      raise FileNotFoundError(f"no data-iterator state in {directory}")
-    # Saved by another number of processes: the streams are deterministic, so replay one batch per
-    # step to the same position (exact, and costs reading `step` batches once).
-    step = int(epath.Path(directory).parent.name)
-    logging.warning("data-iterator state in %s was written by %d process(es), this run has %d: replaying "
-                    "%d batches to reach the same position", directory, len(saved), jax.process_count(), step)
-    for _ in range(step):
-      next(args.iterator)
-    return args.iterator
-
-  def structure(self, directory):  # pragma: no cover - orbax introspection hook
-    return {}
+commands:
+  list      committed steps (with their recorded step, mesh and code version), unfinished saves,
+            and steps moved aside as unreadable
+  digest    SHA-256 over all parameter bytes (names, dtypes, shapes, bytes; sorted by name; independent
+            of the sharding); the digest is the last line
+  inspect   every saved array of the train state: path, shape, dtype, saved sharding; then the metadata
+"""
 
 
-@ocp.args.register_with_handler(DataIteratorHandler, for_save=True)
-@dataclasses.dataclass
-class DataIteratorSave(ocp.args.CheckpointArgs):
-  iterator: Any
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="python -m t5x_like.checkpoints", usage=USAGE,
+                                   description=__doc__.split(":", 1)[1].strip())
+  parser.add_argument("command", choices=("list", "digest", "inspect"))
+  parser.add_argument("model_dir", help="run directory (holds checkpoints/)")
+  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+  return parser
 
 
-@ocp.args.register_with_handler(DataIteratorHandler, for_restore=True)
-@dataclasses.dataclass
-class DataIteratorRestore(ocp.args.CheckpointArgs):
-  iterator: Any
-
-
-class NoUsableCheckpointError(ValueError):
-  """Checkpoints exist but none restores with this configuration (a changed model, or all corrupt)."""
-
-
-def checkpoint_dir(model_dir: str) -> str:
-  """MODEL_DIR/checkpoints, made absolute for local paths (orbax refuses relative ones)."""
-  if "://" not in model_dir:
-    model_dir = os.path.abspath(model_dir)
-  return os.path.join(model_dir, "checkpoints")
-
-
-def make_manager(model_dir: str, max_to_keep: Optional[int] = 3, keep_period: Optional[int] = None,
-                 async_save: bool = True) -> ocp.CheckpointManager:
-  """A manager that keeps the last `max_to_keep` steps plus every `keep_period`-th.
-
-  orbax deletes old steps only after the newer one is committed, and leftovers of a killed or failed
-  save (`<step>.orbax-checkpoint-tmp*`) are removed when the manager opens.
-  """
-  options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, keep_period=keep_period or None,
-                                         create=True, enable_async_checkpointing=async_save,
-                                         cleanup_tmp_directories=True)
-  return ocp.CheckpointManager(checkpoint_dir(model_dir), options=options,
-                               item_names=(STATE, DATA_ITER, METADATA))
-
-
-def save(manager: ocp.CheckpointManager, step: int, state, iterator=None, metadata: Optional[dict] = None,
-         force: bool = False) -> bool:
-  """Starts a save (returns once the state is copied to host and the iterator written; async writes go on)."""
-  items = {STATE: ocp.args.StandardSave(state), METADATA: ocp.args.JsonSave(metadata or {})}
-  if iterator is not None:
-    items[DATA_ITER] = DataIteratorSave(iterator)
-  return manager.save(step, args=ocp.args.Composite(**items), force=force)
-
-
-def abstract_with_shardings(abstract_state, shardings):
-  """ShapeDtypeStructs carrying the target shardings, so orbax restores (and reshards) onto this mesh."""
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
-
-
-def error_line(e: BaseException) -> str:
-  """"ValueError: first line of the message" (orbax errors run to pages)."""
-  text = str(e).strip()
-  return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def restore_latest(manager: ocp.CheckpointManager, abstract_state, iterator=None, step=None,
-                   quarantine: bool = False):
-  """Restores the newest step that reads back whole (or exactly `step`), falling back to older ones.
-
-  Args:
-    manager: from `make_manager`.
-    abstract_state: ShapeDtypeStructs with the target shardings (`abstract_with_shardings`).
-    iterator: a tf.data iterator to restore in place, or None.
-    step: restore exactly this step.
-    quarantine: move unreadable steps newer than the restored one out of checkpoints/ (to
-      MODEL_DIR/checkpoints.corrupt/), so the run can write those steps again. Only done once an older
-      step restored, which proves the failures are corruption and not a changed configuration.
-
-  Returns:
-    (step, state, metadata), or (None, None, None) when there is no checkpoint at all.
-
-  Raises:
-    NoUsableCheckpointError: checkpoints exist but none restores (never silently start over).
-  """
-  steps = sorted(manager.all_steps(), reverse=True) if step is None else [step]
-  bad, last_error = [], None
-  for candidate in steps:
-    items = {STATE: ocp.args.StandardRestore(abstract_state), METADATA: ocp.args.JsonRestore()}
-    if iterator is not None:
-      items[DATA_ITER] = DataIteratorRestore(iterator)
+def cmd_list(model_dir: str, step=None) -> None:
+  directory = checkpoints.checkpoint_dir(model_dir)
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"no checkpoints/ directory in MODEL_DIR '{model_dir}'")
+  steps = checkpoints.committed_steps(model_dir)
+  for s in steps if step is None else [s for s in steps if s == step]:
+    path = os.path.join(directory, str(s))
     try:
-      restored = manager.restore(candidate, args=ocp.args.Composite(**items))
-    except Exception as e:  # pylint: disable=broad-except  # orbax surfaces corruption as many types
-      logging.warning("checkpoint step %d in %s is unreadable (%s); trying an older one",
-                      candidate, manager.directory, error_line(e))
-      bad.append(candidate)
-      last_error = e
-      continue
-    if bad:
-      logging.warning("restored step %d of %s; skipped unreadable newer step(s) %s",
-                      candidate, manager.directory, bad)
-      if quarantine:
-        for b in bad:
-          quarantine_step(manager, b)
-    return candidate, restored[STATE], restored[METADATA]
-  if bad:
-    raise NoUsableCheckpointError(
-        f"{manager.directory} holds checkpoint step(s) {bad} but none restores with this configuration "
-        f"(last error {error_line(last_error)}): use another MODEL_DIR, or fix the model/mesh config")
-  return None, None, None
+      meta = checkpoints.read_metadata(path)
+      info = (f"mesh={meta.get('mesh_shape')} code={meta.get('code_version', '?')}"
+              if meta else "no metadata")
+    except Exception as e:  # pylint: disable=broad-except  # a corrupt item: say so, keep listing
+      info = f"UNREADABLE metadata ({type(e).__name__})"
+    print(f"step {s}: {info}")
+  for name in sorted(os.listdir(directory)):
+    if ".orbax-checkpoint-tmp" in name:
+      print(f"unfinished save (ignored, removed on the next run): {name}")
+  corrupt = os.path.join(model_dir, checkpoints.CORRUPT_DIR)
+  for name in sorted(os.listdir(corrupt)) if os.path.isdir(corrupt) else []:
+    print(f"moved aside as unreadable: {os.path.join(corrupt, name)}")
+  print(f"{len(steps)} committed step(s): {steps}")
 
 
-def quarantine_step(manager: ocp.CheckpointManager, step: int) -> Optional[str]:
-  """Moves an unreadable step to MODEL_DIR/checkpoints.corrupt/<step>-<unix time> (process 0) and reloads."""
-  target = None
-  if jax.process_index() == 0:
-    source = os.path.join(os.fspath(manager.directory), str(step))
-    target = os.path.join(os.path.dirname(os.fspath(manager.directory)), CORRUPT_DIR,
-                          f"{step}-{int(time.time())}")
-    try:
-      os.makedirs(os.path.dirname(target), exist_ok=True)
-      shutil.move(source, target)
-      logging.warning("moved unreadable checkpoint step %d to %s", step, target)
-    except OSError as e:
-      logging.error("could not move unreadable checkpoint %s aside: %s", source, e)
-      target = None
-  _sync("quarantine")
-  manager.reload()
-  return target
+def cmd_digest(model_dir: str, step=None) -> None:
+  found, params = checkpoints.restore_params(model_dir, step)
+  n = sum(int(x.size) for x in jax.tree.leaves(params))
+  print(f"step {found}: {n:,} parameters")
+  print(checkpoints.params_digest(params))
 
 
-def remove_tmp_dirs(manager: ocp.CheckpointManager, step: Optional[int] = None) -> None:
-  """Deletes leftovers of failed saves (`<step>.orbax-checkpoint-tmp*`), freeing the space they hold."""
-  if jax.process_index() == 0:
-    directory = os.fspath(manager.directory)
-    for name in os.listdir(directory) if os.path.isdir(directory) else []:
-      if ".orbax-checkpoint-tmp" in name and (step is None or name.split(".")[0] == str(step)):
-        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-  _sync("remove_tmp")
+def cmd_inspect(model_dir: str, step=None) -> None:
+  found, path = checkpoints.step_dir(model_dir, step)
+  tree = checkpoints.state_tree_metadata(path)
+  print(f"step {found}: {path}")
+  total = 0
+  for key_path, m in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    spec = getattr(getattr(m, "sharding", None), "partition_spec", None)
+    size = int(np.prod(m.shape)) if m.shape else 1
+    total += size if key_path and getattr(key_path[0], "key", None) == "params" else 0
+    print(f"{checkpoints.path_name(key_path):60s} {str(tuple(m.shape)):20s} {str(m.dtype):9s} "
+          f"sharding={tuple(spec) if spec is not None else None}")
+  print(f"parameters: {total:,}")
+  meta = checkpoints.read_metadata(path)
+  gin_config = meta.pop("gin_config", None)
+  print("metadata: " + json.dumps(meta, sort_keys=True))
+  if gin_config:
+    print(f"gin config: {len(gin_config.splitlines())} lines recorded (printed below)")
+    print(gin_config.rstrip())
 
 
-def _sync(name: str) -> None:
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    multihost_utils.sync_global_devices(f"t5x_like.checkpoints.{name}")
+def main(argv) -> int:
+  args = _parser().parse_args(argv)
+  if not os.path.isdir(args.model_dir):
+    raise FileNotFoundError(f"MODEL_DIR '{args.model_dir}' does not exist")
+  {"list": cmd_list, "digest": cmd_digest, "inspect": cmd_inspect}[args.command](args.model_dir, args.step)
+  return 0
 
 
-# ----------------------------------------------------------------------------------------------------
-# Metadata, warm start, digest.
-
-
-@functools.lru_cache(maxsize=None)
-def code_version() -> str:
-  """'<package version>+g<git sha>[.dirty]' when the package is a git checkout, else the version."""
-  from t5x_like import __version__  # pylint: disable=g-import-not-at-top
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def run() -> None:
+  """Entry point: a user error prints one line and exits 1 (T5X_LIKE_TRACEBACK=1 shows the traceback)."""
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  logging.set_verbosity(logging.ERROR)  # orbax warns about optional files it does not find
   try:
-    sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
-                         text=True, timeout=5, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                           capture_output=True, text=True, timeout=5).stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    return __version__
-  return f"{__version__}+g{sha}" + (".dirty" if dirty else "")
-
-
-def file_sha256(path: str) -> Optional[str]:
-  return input_pipeline.file_sha256(path) if tf.io.gfile.exists(path) else None
-
-
-def run_metadata(*, mesh_shape, data_dir: str, gin_config: str, **extra) -> dict:
-  """What a checkpoint records about its run (JSON): mesh, data manifest hash, config, code version."""
-  return {"mesh_shape": {k: int(v) for k, v in dict(mesh_shape).items()},
-          "manifest_sha256": file_sha256(os.path.join(data_dir, "manifest.json")) if data_dir else None,
-          "gin_config": gin_config, "code_version": code_version(), "jax_version": jax.__version__,
-          "process_count": jax.process_count(), **extra}
-
-
-def check_resume_metadata(saved: Optional[dict], current: dict) -> list:
-  """Differences that make a resume inexact (other data, other batch); logged as warnings, returned."""
-  saved = saved or {}
-  problems = [f"{key}: checkpoint has {saved[key]!r}, this run {current.get(key)!r}"
-              for key in ("manifest_sha256", "batch_size", "seq_len")
-              if key in saved and saved[key] != current.get(key)]
-  for p in problems:
-    logging.warning("resuming from a checkpoint of a different run setup (%s): losses will not "
-                    "match an uninterrupted run", p)
-  return problems
-
-
-def step_dir(model_dir: str, step: Optional[int] = None) -> tuple:
-  """(step, MODEL_DIR/checkpoints/<step>) of `step`, or of the newest committed one."""
-  steps = committed_steps(model_dir)
-  if not steps:
-    raise FileNotFoundError(f"no committed checkpoint in {checkpoint_dir(model_dir)}")
-  if step is None:
-    step = steps[-1]
-  elif step not in steps:
-    raise FileNotFoundError(f"no committed checkpoint step {step} in {checkpoint_dir(model_dir)} "
-                            f"(steps: {steps})")
-  return step, os.path.join(checkpoint_dir(model_dir), str(step))
-
-
-def committed_steps(model_dir: str) -> list:
-  """Steps whose directories orbax finished (a killed save leaves only `<step>.orbax-checkpoint-tmp*`)."""
-  directory = checkpoint_dir(model_dir)
-  if not tf.io.gfile.isdir(directory):
-    return []
-  return sorted(int(n) for n in tf.io.gfile.listdir(directory) if n.rstrip("/").isdigit())
-
-
-def state_tree_metadata(path: str):
-  """The saved state's tree of array metadata (shape, dtype, sharding); reads no array bytes."""
-  meta = ocp.PyTreeCheckpointer().metadata(os.path.join(path, STATE))
-  tree = getattr(meta, "item_metadata", meta)
-  return getattr(tree, "tree", tree)
-
-
-def restore_params(model_dir: str, step: Optional[int] = None, abstract_params=None,
-                   with_opt_state_of=None):
-  """Parameters (and optionally optimizer state) of MODEL_DIR's checkpoint, without its data iterator.
-
-  Args:
-    model_dir: a run directory (or a path to one of its `checkpoints/<step>` directories).
-    step: default the newest committed step.
-    abstract_params: ShapeDtypeStructs with shardings to restore onto; None = host numpy arrays.
-    with_opt_state_of: also restore `opt_state` against this abstract tree (shardings included).
-
-  Returns:
-    (step, params) or (step, params, opt_state) when `with_opt_state_of` is given.
-  """
-  if os.path.basename(os.path.dirname(os.path.normpath(model_dir))) == "checkpoints":
-    step = int(os.path.basename(os.path.normpath(model_dir)))
-    model_dir = os.path.dirname(os.path.dirname(os.path.normpath(model_dir)))
-  step, path = step_dir(model_dir, step)
-  if abstract_params is None:
-    abstract_params = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), state_tree_metadata(path)["params"])
-    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract_params)
-  else:
-    args = ocp.checkpoint_utils.construct_restore_args(abstract_params)
-  item, restore_args = {"params": abstract_params}, {"params": args}
-  if with_opt_state_of is not None:
-    item["opt_state"] = with_opt_state_of
-    restore_args["opt_state"] = ocp.checkpoint_utils.construct_restore_args(with_opt_state_of)
-  out = ocp.PyTreeCheckpointer().restore(
-      os.path.join(path, STATE),
-      args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
-  if with_opt_state_of is not None:
-    return step, out["params"], out["opt_state"]
-  return step, out["params"]
-
-
-def path_name(path) -> str:
-  """'blocks/attn/qkv/kernel' for a jax key path."""
-  parts = []
-  for key in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(key, attr):
-        parts.append(str(getattr(key, attr)))
-        break
-    else:
-      parts.append(str(key))
-  return "/".join(parts)
-
-
-def host_array(x) -> np.ndarray:
-  """The whole array on this host, whatever its sharding (all processes must call for global arrays)."""
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-  return np.asarray(x)
-
-
-def params_digest(params) -> str:
-  """SHA-256 over every parameter's name, dtype, shape and bytes (C order), leaves sorted by name.
-
-  Independent of the sharding and mesh: each array is gathered whole to the host first.
-  """
-  digest = hashlib.sha256()
-  leaves = sorted((path_name(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0])
-  for name, leaf in leaves:
-    arr = np.ascontiguousarray(host_array(leaf))
-    digest.update(f"{name}|{arr.dtype.str}|{arr.shape}\n".encode())
-    digest.update(arr.tobytes())
-  return digest.hexdigest()
-
-
-def read_metadata(path: str) -> dict:
-  """The JSON metadata item of one `checkpoints/<step>` directory ({} if absent)."""
-  return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
-      os.path.join(path, METADATA), args=ocp.args.JsonRestore()) or {}
+    sys.exit(main(sys.argv[1:]))
+  except (ValueError, KeyError, OSError) as e:
+    if os.environ.get("T5X_LIKE_TRACEBACK"):
+      raise
+    text = str(e).strip().splitlines()
+    print(f"error: {text[0] if text else type(e).__name__}", file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 if __name__ == "__main__":
-  from t5x_like import checkpoints_cli  # pylint: disable=g-import-not-at-top
-  checkpoints_cli.run()
+  run()

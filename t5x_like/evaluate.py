@@ -8,11 +8,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import flags  # pylint: disable=g-import-not-at-top
 
-from t5x_like import gin_utils
-from t5x_like import infer
-from t5x_like import model
-from t5x_like import optimizer
-from t5x_like import trainer
+from t5x_like import cli as gin_utils
+from t5x_like.model import decoder as model
+from t5x_like.training import optimizer
+from t5x_like.training import trainer
 
 gin_utils.define_gin_flags()
 flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the newest good one).")
@@ -20,20 +19,6 @@ flags.DEFINE_string("split", "validation", "Split of DATA_DIR to evaluate on.")
 flags.DEFINE_integer("eval_batches", None, "Batches to evaluate (default: TrainConfig.eval_batches; "
                      "0 = the whole split).")
 FLAGS = flags.FLAGS
-
-
-def evaluate_checkpoint(exp: trainer.Experiment, step=None, split: str = "validation") -> dict:
-  """Restores a checkpoint onto the experiment's mesh and evaluates it on `split` of its DATA_DIR.
-
-  Returns:
-    {"step", "split", "eval/loss", "eval/perplexity", "eval/tokens", "eval/batches"}.
-  """
-  if split not in exp.manifest["splits"]:
-    raise ValueError(f"DATA_DIR '{exp.config.data_dir}' has no split '{split}' "
-                     f"(available: {sorted(exp.manifest['splits'])})")
-  with exp.context():
-    found, params = infer.load_params(exp, step)
-  return {"step": int(found), "split": split, **exp.evaluate(params, split=split)}
 
 
 def main(argv):
@@ -47,7 +32,7 @@ def main(argv):
     config = dataclasses.replace(config, eval_batches=FLAGS.eval_batches)
   exp = trainer.Experiment(config, gin_utils.configured(model.GPTConfig, "model"),
                            gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))
-  result = evaluate_checkpoint(exp, FLAGS.step, FLAGS.split)
+  result = exp.evaluate_checkpoint(FLAGS.step, FLAGS.split)
   print(f"step {result['step']}  {result['split']}  loss {result['eval/loss']:.6f}  "
         f"perplexity {result['eval/perplexity']:.4f}  ({int(result['eval/tokens'])} tokens, "
         f"{result['eval/batches']} batches)", flush=True)

@@ -9,13 +9,13 @@ from absl import logging
 import jax
 import numpy as np
 
-from t5x_like import checkpoints
-from t5x_like import gin_utils
-from t5x_like import model
-from t5x_like import optimizer
-from t5x_like import sampling
-from t5x_like import tokenizer as tokenizer_lib
-from t5x_like import trainer
+from t5x_like.training import checkpointing as checkpoints
+from t5x_like import cli as gin_utils
+from t5x_like.model import decoder as model
+from t5x_like.training import optimizer
+from t5x_like.model import decoding as sampling
+from t5x_like.data import tokenizer as tokenizer_lib
+from t5x_like.training import trainer
 
 FLAGS = flags.FLAGS
 
@@ -31,26 +31,6 @@ def define_flags() -> None:
   flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set of tokens with this much probability.")
   flags.DEFINE_integer("seed", 0, "Sampling seed.")
   flags.DEFINE_integer("step", None, "Checkpoint step to load (default: the newest good one).")
-
-
-def load_params(exp: trainer.Experiment, step=None):
-  """Parameters of the newest readable checkpoint (or `step`), restored onto the experiment's mesh.
-
-  Reads the parameters only (not the optimizer state, twice their size); an unreadable newest step
-  falls back to the one before it, as training does.
-  """
-  abstract = checkpoints.abstract_with_shardings(exp.abstract_state, exp.state_shardings).params
-  steps = [step] if step is not None else sorted(checkpoints.committed_steps(exp.config.model_dir), reverse=True)
-  for candidate in steps:
-    try:
-      return checkpoints.restore_params(exp.config.model_dir, candidate, abstract_params=abstract)
-    except FileNotFoundError:
-      raise
-    except Exception as e:  # pylint: disable=broad-except  # orbax surfaces corruption as many types
-      logging.warning("checkpoint step %d is unreadable (%s); trying an older one", candidate,
-                      checkpoints.error_line(e))
-  raise FileNotFoundError(f"no readable checkpoint in {checkpoints.checkpoint_dir(exp.config.model_dir)}"
-                          + (f" at step {step}" if step is not None else ""))
 
 
 def main(argv):
@@ -73,7 +53,7 @@ def main(argv):
   if longest > cfg.max_len:
     raise ValueError(f"prompt + --max_new_tokens = {longest} tokens exceeds the model's max_len={cfg.max_len}")
   with exp.context():
-    step, params = load_params(exp, FLAGS.step)
+    step, params = exp.restore_params(FLAGS.step)
     tokens, segments = sampling.left_pad(encoded, tok.pad_id)
     out = sampling.generate(params, tokens, segments, jax.random.key(FLAGS.seed), config=cfg,
                             max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,

@@ -1,302 +1,25 @@
-"""`python -m t5x_like.preprocess`: clean -> tokenizer -> balanced TFRecord shards + manifest.json."""
+"""`python -m t5x_like.preprocess`: clean -> tokenizer -> balanced TFRecord shards + manifest.json.
 
-from __future__ import annotations
+    python -m t5x_like.preprocess --input='corpus/*.txt' --output_dir=/data/mycorpus [--runner=DirectRunner]
+"""
 
-import collections
-import dataclasses
-import gzip
-import hashlib
 import logging
-import multiprocessing
-import os
 import sys
-import time
-from typing import Callable, Iterator, Sequence
 
-import numpy as np
+from absl import app
+from absl import flags
 import tensorflow as tf
 
-from t5x_like import packing
-from t5x_like.preprocess_cache import CACHE_VERSION as _CACHE_VERSION
-from t5x_like.preprocess_cache import Cache
-from t5x_like.preprocess_cache import digest as _digest
-from t5x_like import shard_writer
-from t5x_like import text_cleaning
-from t5x_like import tokenizer as tokenizer_lib
-from t5x_like.text_cleaning import CleaningConfig
+from t5x_like.data import preprocessing
+from t5x_like.data.text_cleaning import CleaningConfig
 
-log = logging.getLogger(__name__)
+try:  # Apache Beam is the optional `beam` extra; only --runner=<a Beam runner> needs it
+  from t5x_like.data import beam_runner
+except ImportError:
+  beam_runner = None
 
 
-def expand_inputs(patterns: Sequence[str]) -> list[str]:
-  """Expands each glob (any TF filesystem); a pattern matching no file is an error naming it."""
-  if isinstance(patterns, str):
-    patterns = [patterns]
-  if not patterns:
-    raise ValueError("No --input given")
-  files = []
-  for pattern in patterns:
-    matches = sorted(p for p in tf.io.gfile.glob(pattern) if not tf.io.gfile.isdir(p))
-    if not matches:
-      raise ValueError(f"--input '{pattern}' matches no file")
-    files.extend(m for m in matches if m not in files)
-  return files
-
-
-def input_kind(path: str) -> str:
-  """"jsonl" for *.jsonl / *.json (optionally .gz), else "text"."""
-  name = path[:-3] if path.endswith(".gz") else path
-  return "jsonl" if name.endswith((".jsonl", ".json")) else "text"
-
-
-def read_input(path: str) -> bytes:
-  with tf.io.gfile.GFile(path, "rb") as f:
-    raw = f.read()
-  if path.endswith(".gz"):
-    try:
-      raw = gzip.decompress(raw)
-    except (OSError, EOFError) as e:
-      raise ValueError(f"Input '{path}' is not valid gzip: {e}") from e
-  return raw
-
-
-class Progress:
-  """Logs "stage: i/n files, tokens, tokens/s" at most every `every_s` seconds and at the end."""
-
-  def __init__(self, stage: str, total: int, every_s: float = 2.0, enabled: bool = True):
-    self.stage, self.total, self.every_s, self.enabled = stage, total, every_s, enabled
-    self.start = self.last = time.time()
-    self.done = self.tokens = 0
-
-  def update(self, files: int = 1, tokens: int = 0) -> None:
-    self.done += files
-    self.tokens += tokens
-    now = time.time()
-    if self.enabled and (now - self.last >= self.every_s or self.done == self.total):
-      self.last = now
-      rate = self.tokens / max(now - self.start, 1e-9)
-      log.info("%s: %d/%d files, %d tokens, %.0f tokens/s", self.stage, self.done, self.total,
-               self.tokens, rate)
-
-
-def _pool_map(fn: Callable, args: Iterator, num_workers: int, initializer, initargs) -> Iterator:
-  """Ordered map over worker processes; inline when num_workers <= 1."""
-  if num_workers <= 1:
-    initializer(*initargs)
-    yield from map(fn, args)
-    return
-  if "forkserver" in multiprocessing.get_all_start_methods():
-    # Workers fork from a clean server that imported only the TF-free worker module: never from
-    # this process, whose TF / JAX threads make fork unsafe.
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["t5x_like.text_cleaning"])
-  else:
-    ctx = multiprocessing.get_context("spawn")
-  with ctx.Pool(num_workers, initializer, initargs) as pool:
-    window = []
-    for a in args:  # bounded look-ahead: at most 4 files per worker are held in memory
-      window.append(a)
-      if len(window) >= 4 * num_workers:
-        yield from pool.imap(fn, window)
-        window = []
-    yield from pool.imap(fn, window)
-
-
-def get_tokenizer(files, file_hashes, opts, cache: Cache, num_workers) -> tokenizer_lib.Tokenizer:
-  """Loads --tokenizer, or a cached one trained on the same inputs, or trains one."""
-  if opts["tokenizer"]:
-    tok = tokenizer_lib.Tokenizer.load(opts["tokenizer"])
-  else:
-    key = _digest(_CACHE_VERSION, file_hashes, opts["tokenizer_args"], opts["doc_args"])
-    cached = cache.path(f"tokenizer-{key}.model")
-    if cached and tf.io.gfile.exists(cached):
-      log.info("Tokenizer: cache hit %s", cached)
-      tok = tokenizer_lib.Tokenizer.load(cached)
-    else:
-      cfg, doc_split, text_field = opts["doc_args"]
-      args = ((read_input(f), input_kind(f), cfg, doc_split, text_field) for f in files)
-      texts = (t for docs in _pool_map(text_cleaning.worker_cleaned_documents, args, num_workers,
-                                       text_cleaning.init_worker, (None,)) for t in docs)
-      t0 = time.time()
-      tok = tokenizer_lib.train_tokenizer(texts, cached, **opts["tokenizer_args"])
-      log.info("Tokenizer: trained vocab %d in %.1fs", tok.vocab_size, time.time() - t0)
-  if tok.pad_id < 0 or tok.eos_id < 0 or tok.pad_id == tok.eos_id:
-    raise ValueError(f"Tokenizer '{tok.path}' needs distinct pad and eos ids >= 0, "
-                     f"found pad_id={tok.pad_id} eos_id={tok.eos_id}")
-  return tok
-
-
-def tokenize_inputs(files, file_hashes, tok, cleaning, doc_split, text_field, cache: Cache,
-                    num_workers, progress=True) -> tuple[list[text_cleaning.FileDocuments], collections.Counter]:
-  """Tokenizes every input (cache hits are loaded, not recomputed); returns per-file documents."""
-  counts = collections.Counter()
-  results: list = [None] * len(files)
-  todo, keys = [], {}
-  bar = Progress("tokenize", len(files), enabled=progress)
-  for i, f in enumerate(files):
-    keys[i] = _digest(_CACHE_VERSION, file_hashes[i], tok.sha256,
-                      dataclasses.asdict(cleaning), doc_split, text_field, input_kind(f))
-    hit = cache.get_docs(keys[i])
-    if hit is not None:
-      hit.counts["documents_tokenized"] = 0  # the cached counts are from the run that did the work
-      results[i] = hit
-      counts["cache_hits"] += 1
-      bar.update(1, int(hit.lengths.sum()))
-    else:
-      todo.append(i)
-  args = ((read_input(files[i]), input_kind(files[i]), cleaning, doc_split, text_field, tok.eos_id)
-          for i in todo)
-  for i, docs in zip(todo, _pool_map(text_cleaning.worker_process_file, args, num_workers,
-                                     text_cleaning.init_worker, (tok.model_proto,))):
-    results[i] = docs
-    cache.put_docs(keys[i], docs)
-    bar.update(1, int(docs.lengths.sum()))
-  for r in results:
-    counts.update(r.counts)
-  return results, counts
-
-
-def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int = 8192,
-               tokenizer: str | None = None, model_type: str = "bpe", byte_fallback: bool = True,
-               character_coverage: float = 0.9995, max_tokenizer_chars: int | None = 20_000_000,
-               num_train_shards: int = 4, num_validation_shards: int = 1,
-               validation_fraction: float = 0.01, seed: int = 0, text_field: str = "text",
-               doc_split: str = "file", cleaning: CleaningConfig = CleaningConfig(),
-               pack_length: int | None = None, num_workers: int | None = None,
-               cache_dir: str | None = "", progress: bool = True) -> dict:
-  """Builds a DATA_DIR from text / JSON-lines inputs; returns the report (also in the manifest).
-
-  Args:
-    inputs: glob patterns. *.jsonl / *.json (optionally .gz) hold one JSON object per line with
-      the text in `text_field`; any other file is plain text split by `doc_split` ("file": one
-      document per file, "blank_line": one per paragraph).
-    output_dir: the DATA_DIR to write (local path or any TF filesystem such as gs://).
-    vocab_size, model_type, byte_fallback, character_coverage, max_tokenizer_chars: tokenizer
-      training settings, unused when `tokenizer` names an existing .model file.
-    num_train_shards, num_validation_shards: shard counts per split.
-    validation_fraction: share of documents (chosen by content hash and seed) for validation.
-    seed: shard assignment and split seed.
-    cleaning: the cleaning rules.
-    pack_length: write rows of exactly this many tokens (documents concatenated, last row of a
-      shard padded with pad_id) instead of one record per document.
-    num_workers: tokenization processes (default: CPU count).
-    cache_dir: "" -> `output_dir/.cache`; None disables caching.
-    progress: log progress lines.
-
-  Returns:
-    The report: documents in/out, tokens, dropped and changed counts by rule, time, tokens/s.
-  """
-  t0 = time.time()
-  if num_train_shards < 1 or num_validation_shards < 1:
-    raise ValueError("--num_train_shards and --num_validation_shards must be >= 1")
-  if not 0 <= validation_fraction < 1:
-    raise ValueError(f"--validation_fraction must be in [0, 1), got {validation_fraction}")
-  if pack_length is not None and pack_length < 2:
-    raise ValueError(f"--pack_length must be >= 2, got {pack_length}")
-  text_cleaning.split_documents("", doc_split)  # validates doc_split
-  files = expand_inputs(inputs)
-  num_workers = num_workers or os.cpu_count() or 1
-  cache = Cache(shard_writer.join(output_dir, ".cache") if cache_dir == "" else cache_dir)
-  file_hashes = [hashlib.sha256(read_input(f)).hexdigest() for f in files]
-  opts = {"tokenizer": tokenizer,
-          "tokenizer_args": dict(vocab_size=vocab_size, model_type=model_type,
-                                 byte_fallback=byte_fallback, character_coverage=character_coverage,
-                                 max_training_chars=max_tokenizer_chars),
-          "doc_args": (cleaning, doc_split, text_field)}
-  tok = get_tokenizer(files, file_hashes, opts, cache, num_workers)
-  t_tok = time.time()
-  per_file, counts = tokenize_inputs(files, file_hashes, tok, cleaning, doc_split, text_field, cache,
-                                     num_workers, progress)
-  t_tokenized = time.time()
-  docs, hashes, seen = [], [], set()
-  for r in per_file:
-    offsets = np.concatenate([[0], np.cumsum(r.lengths)])
-    for j in range(len(r.lengths)):
-      h = r.hashes[j].tobytes()
-      if cleaning.dedup and h in seen:
-        counts["dropped_duplicate"] += 1
-        continue
-      seen.add(h)
-      docs.append(r.tokens[offsets[j]:offsets[j + 1]])
-      hashes.append(h)
-  if not docs:
-    raise ValueError(f"No documents left after cleaning {len(files)} input file(s) "
-                     f"(dropped: {_by_prefix(counts, 'dropped_')})")
-  report = write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed,
-                          num_train_shards, num_validation_shards, pack_length, counts,
-                          extra={"cleaning": dataclasses.asdict(cleaning), "doc_split": doc_split,
-                                 "text_field": text_field, "inputs": len(files)})
-  elapsed = time.time() - t0
-  report.update(time_s=round(elapsed, 3), tokenizer_s=round(t_tok - t0, 3),
-                tokenize_s=round(t_tokenized - t_tok, 3),
-                tokens_per_s=round(report["tokens"] / max(elapsed, 1e-9)),
-                num_workers=num_workers)
-  return report
-
-
-def _by_prefix(counts, prefix: str) -> dict:
-  return {k[len(prefix):]: v for k, v in sorted(counts.items()) if k.startswith(prefix) and v}
-
-
-def write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed, num_train_shards,
-                   num_validation_shards, pack_length, counts, extra) -> dict:
-  """Splits, shards and writes documents, then the tokenizer and manifest (manifest last)."""
-  tf.io.gfile.makedirs(output_dir)
-  manifest_path = shard_writer.join(output_dir, shard_writer.MANIFEST)
-  if tf.io.gfile.exists(manifest_path):  # an interrupted rewrite must not leave a valid manifest
-    tf.io.gfile.remove(manifest_path)
-  is_val = shard_writer.split_documents(hashes, validation_fraction, seed)
-  packed_dtype = packing.packed_dtype(tok.vocab_size, pack_length or 0)
-  splits = {}
-  for split, mask, n in (("train", ~is_val, num_train_shards),
-                         ("validation", is_val, num_validation_shards)):
-    split_docs = [d for d, m in zip(docs, mask) if m]
-    plan = shard_writer.plan_shards([len(d) for d in split_docs], n, seed)
-    splits[split] = shard_writer.split_entry([
-        shard_writer.write_shard(output_dir, shard_writer.shard_name(split, i, n),
-                                 [split_docs[j] for j in plan[i]], pack_length, tok.pad_id,
-                                 tok.eos_id, packed_dtype)
-        for i in range(n)])
-  tok.save(shard_writer.join(output_dir, shard_writer.TOKENIZER))
-  shard_writer.remove_stale(output_dir, [s["path"] for sp in splits.values() for s in sp["shards"]])
-  report = make_report(counts, splits, len(docs))
-  stats = {k: v for k, v in report.items() if k not in ("documents_tokenized", "cache_hits")}
-  manifest = shard_writer.make_manifest(tok, splits, pack_length,
-                                        dict(extra, seed=seed, stats=stats))
-  shard_writer.write_json(manifest_path, manifest)
-  return report
-
-
-def make_report(counts: collections.Counter, splits: dict, documents_out: int) -> dict:
-  """The counts every runner reports: documents in/out, tokens, dropped/changed by rule."""
-  keys = ("num_documents", "num_tokens", "num_records")
-  return {
-      "documents_in": counts["documents_in"],
-      "documents_out": documents_out,
-      "tokens": sum(s["num_tokens"] for s in splits.values()),
-      "train": {k: splits["train"][k] for k in keys},
-      "validation": {k: splits["validation"][k] for k in keys},
-      "dropped": _by_prefix(counts, "dropped_"),
-      "changed": _by_prefix(counts, "changed_"),
-      "invalid_utf8_bytes": counts["invalid_utf8_bytes"],
-      "documents_with_invalid_utf8": counts["documents_with_invalid_utf8"],
-      "documents_tokenized": counts["documents_tokenized"],
-      "cache_hits": counts["cache_hits"],
-  }
-
-
-def format_report(report: dict) -> str:
-  """A Markdown table of the report's scalar entries and the per-rule counts."""
-  rows = ["| item | value |", "|---|---|"]
-  for k, v in report.items():
-    if isinstance(v, dict):
-      v = ", ".join(f"{a}={b}" for a, b in v.items()) or "-"
-    rows.append(f"| {k} | {v} |")
-  return "\n".join(rows)
-
-
-def _define_flags():
-  from absl import flags  # pylint: disable=g-import-not-at-top
+def define_flags():
   f = flags
   f.DEFINE_multi_string("input", None, "Input glob(s): *.jsonl/*.json(.gz) or plain text files.")
   f.DEFINE_string("output_dir", None, "DATA_DIR to write (local or gs://...).")
@@ -330,7 +53,6 @@ def _define_flags():
 
 def main(argv) -> None:
   del argv
-  from absl import flags  # pylint: disable=g-import-not-at-top
   fl = flags.FLAGS
   logging.basicConfig(level=logging.INFO, format="%(message)s")
   try:
@@ -347,21 +69,20 @@ def main(argv) -> None:
                   pack_length=fl.pack_length, num_workers=fl.num_workers or None,
                   cache_dir=fl.cache_dir if fl.cache else None)
     if fl.runner == "local":
-      report = preprocess(fl.input, fl.output_dir, **kwargs)
+      report = preprocessing.preprocess(fl.input, fl.output_dir, **kwargs)
     else:
-      from t5x_like import beam_preprocess  # pylint: disable=g-import-not-at-top
-      report = beam_preprocess.run(fl.input, fl.output_dir, runner=fl.runner,
+      if beam_runner is None:
+        raise ValueError(f"--runner={fl.runner} needs Apache Beam: pip install 't5x_like[beam]'")
+      report = beam_runner.run(fl.input, fl.output_dir, runner=fl.runner,
                                    pipeline_args=fl.beam_args or (), **kwargs)
   except (ValueError, FileNotFoundError, OSError, tf.errors.OpError) as e:
     reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise SystemExit(f"preprocess: error: {reason}") from None
-  print(format_report(report))
+  print(preprocessing.format_report(report))
 
 
 if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  _define_flags()
+  define_flags()
   if {"--help", "-h", "--helpshort", "-?"} & set(sys.argv[1:]):  # absl exits 1 on --help
     print(f"{__doc__}\n\n{flags.FLAGS.main_module_help()}")
     sys.exit(0)

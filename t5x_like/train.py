@@ -9,13 +9,13 @@ from absl import flags  # pylint: disable=g-import-not-at-top
 from absl import logging
 import jax
 
-from t5x_like import distributed
-from t5x_like import fault_tolerance
-from t5x_like import gin_utils
-from t5x_like import model
-from t5x_like import optimizer
-from t5x_like import precision
-from t5x_like import trainer
+from t5x_like.parallel import distributed
+from t5x_like.training import fault_tolerance
+from t5x_like import cli as gin_utils
+from t5x_like.model import decoder as model
+from t5x_like.training import optimizer
+from t5x_like.training import precision
+from t5x_like.training import trainer
 
 gin_utils.define_gin_flags()
 distributed.define_flags()

@@ -7,10 +7,10 @@ import pytest
 
 beam = pytest.importorskip("apache_beam", reason="apache-beam is not installed (extra 'beam')")
 
-from t5x_like import beam_preprocess  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t5x_like import preprocess as pp  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5x_like.data import beam_runner as beam_preprocess  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5x_like.data import preprocessing as pp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-TESTDATA = os.path.join(os.path.dirname(pp.__file__), "testdata")
+TESTDATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata")
 INPUTS = [os.path.join(TESTDATA, "sample.txt"), os.path.join(TESTDATA, "sample.jsonl")]
 
 

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from t5x_like import checkpoints
-from t5x_like import checkpoints_cli
-from t5x_like import fault_tolerance
-from t5x_like import mesh as mesh_lib
-from t5x_like import model as model_lib
-from t5x_like import optimizer as optimizer_lib
-from t5x_like import partitioning
-from t5x_like import train_state as train_state_lib
+from t5x_like.training import checkpointing as checkpoints
+from t5x_like import checkpoints as checkpoints_cli
+from t5x_like.training import fault_tolerance
+from t5x_like.parallel import mesh as mesh_lib
+from t5x_like.model import decoder as model_lib
+from t5x_like.training import optimizer as optimizer_lib
+from t5x_like.parallel import partitioning
+from t5x_like.training import train_state as train_state_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA8 = {"pipeline": 1, "data": 8, "fsdp": 1, "tensor": 1}

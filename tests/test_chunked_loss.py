@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_like import model as model_lib
-from t5x_like import partitioning
-from t5x_like import train_step
+from t5x_like.model import decoder as model_lib
+from t5x_like.parallel import partitioning
+from t5x_like.training import step as train_step
 
 
 @pytest.mark.parametrize("tied", [True, False])

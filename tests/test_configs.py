@@ -6,10 +6,10 @@ import os
 import gin
 import pytest
 
-from t5x_like import gin_utils
-from t5x_like import model
-from t5x_like import optimizer
-from t5x_like import trainer
+from t5x_like import cli as gin_utils
+from t5x_like.model import decoder as model
+from t5x_like.training import optimizer
+from t5x_like.training import trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = sorted(glob.glob(os.path.join(ROOT, "configs", "models", "*.gin")))

@@ -13,9 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from t5x_like import checkpoints
-from t5x_like import fault_tolerance
-from t5x_like import metrics as metrics_lib
+from t5x_like.training import checkpointing as checkpoints
+from t5x_like.training import fault_tolerance
+from t5x_like.observe import metrics as metrics_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {"model.GPTConfig.num_layers": 1, "model.GPTConfig.d_model": 32, "model.GPTConfig.num_heads": 2,
@@ -25,7 +25,7 @@ STEPS = 60  # long enough (a few seconds of stepping) to be interrupted at a ran
 
 def make_corpus(directory) -> str:
   """A small generated corpus (the generator of shared/checks/contracts.sh) preprocessed into a DATA_DIR."""
-  from t5x_like import preprocess  # pylint: disable=g-import-not-at-top
+  from t5x_like.data import preprocessing as preprocess  # pylint: disable=g-import-not-at-top
   raw = directory / "raw"
   raw.mkdir()
   rng = random.Random(0)
@@ -52,7 +52,9 @@ def data_dir(tmp_path_factory):
 
 
 def _train(model_dir, data_dir, **overrides):
-  from t5x_like import model, optimizer, trainer  # pylint: disable=g-import-not-at-top
+  from t5x_like.model import decoder as model  # pylint: disable=g-import-not-at-top
+  from t5x_like.training import optimizer  # pylint: disable=g-import-not-at-top
+  from t5x_like.training import trainer  # pylint: disable=g-import-not-at-top
   config = trainer.TrainConfig(model_dir=str(model_dir), data_dir=data_dir, train_steps=6, batch_size=8,
                                seq_len=16, log_every=1, eval_every=0, eval_batches=1, checkpoint_every=2,
                                shuffle_buffer=64, async_checkpoints=False)

@@ -5,9 +5,9 @@ import json
 import jax
 import pytest
 
-from t5x_like import flops
-from t5x_like import hardware
-from t5x_like import model
+from t5x_like.observe import flops
+from t5x_like.observe import hardware
+from t5x_like.model import decoder as model
 
 GPT2 = model.GPTConfig(vocab_size=50257, max_len=1024, num_layers=12, num_heads=12, d_model=768, d_ff=3072)
 GPT3 = model.GPTConfig(vocab_size=50304, max_len=2048, num_layers=96, num_heads=96, d_model=12288, d_ff=49152)

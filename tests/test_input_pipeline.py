@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from t5x_like import input_pipeline as ip
-from t5x_like import packing
-from t5x_like import preprocess as pp
+from t5x_like.data import input_pipeline as ip
+from t5x_like.data import packing
+from t5x_like.data import preprocessing as pp
 
-TESTDATA = os.path.join(os.path.dirname(pp.__file__), "testdata")
+TESTDATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata")
 INPUTS = [os.path.join(TESTDATA, "sample.txt"), os.path.join(TESTDATA, "sample.jsonl")]
 KW = dict(vocab_size=500, doc_split="blank_line", num_train_shards=3, validation_fraction=0.2,
           num_workers=1, progress=False, cache_dir=None)

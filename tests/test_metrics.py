@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from t5x_like import metrics
-from t5x_like import monitoring
-from t5x_like import plot
-from t5x_like import profiling
+from t5x_like.observe import metrics
+from t5x_like.observe import prometheus as monitoring
+from t5x_like.observe import plots as plot
+from t5x_like.observe import profiling
 
 
 def step_record(loss, tokens, grad_norm=1.0, nonfinite=0, lr=1e-3, param_norm=2.0):

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_like import model as model_lib
-from t5x_like import partitioning
-from t5x_like import sampling
+from t5x_like.model import decoder as model_lib
+from t5x_like.parallel import partitioning
+from t5x_like.model import decoding as sampling
 
 CFG = model_lib.GPTConfig(vocab_size=128, max_len=32, num_layers=2, num_heads=4, d_model=32, d_ff=64,
                           dtype="float32")

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from t5x_like import preprocess
+from t5x_like.data import preprocessing as preprocess
 from tests.test_train_e2e import write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

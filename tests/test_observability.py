@@ -18,11 +18,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from t5x_like import infer
-from t5x_like import model as model_lib
-from t5x_like import optimizer as optimizer_lib
-from t5x_like import preprocess
-from t5x_like import sampling
-from t5x_like import trainer
+from t5x_like.model import decoder as model_lib
+from t5x_like.training import optimizer as optimizer_lib
+from t5x_like.data import preprocessing as preprocess
+from t5x_like.model import decoding as sampling
+from t5x_like.training import trainer
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -188,7 +188,7 @@ def test_generate_on_the_training_mesh_matches_one_device(run):
   tokens, segments = sampling.left_pad([[5, 6, 7, 8, 9], [10, 11, 12]])
   kwargs = dict(config=exp.model_config, max_new_tokens=10)
   with exp.context():
-    _, params = infer.load_params(exp)
+    _, params = exp.restore_params()
     sharded = np.asarray(sampling.generate(params, tokens, segments, jax.random.key(0), **kwargs))
   host = jax.device_get(params)
   single = np.asarray(sampling.generate(host, tokens, segments, jax.random.key(0), **kwargs))

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_like import optimizer
+from t5x_like.training import optimizer
 
 
 def test_warmup_then_cosine_reaches_min_ratio():

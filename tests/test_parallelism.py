@@ -17,12 +17,13 @@ import jax
 import numpy as np
 import pytest
 
-from t5x_like import mesh as mesh_lib
-from t5x_like import model as model_lib
-from t5x_like import optimizer
-from t5x_like import partitioning
-from t5x_like import train_state
-from t5x_like import train_step
+from t5x_like.parallel import mesh as mesh_lib
+from t5x_like.model import config as config_lib
+from t5x_like.model import decoder as model_lib
+from t5x_like.training import optimizer
+from t5x_like.parallel import partitioning
+from t5x_like.training import train_state
+from t5x_like.training import step as train_step
 
 CFG = model_lib.GPTConfig(vocab_size=256, max_len=32, num_layers=4, num_heads=8, d_model=64, d_ff=256,
                           dtype="float32")
@@ -70,7 +71,7 @@ def train(initial, mesh_shape: dict, *, num_microbatches: int = 1, remat: str = 
   """Runs STEPS train steps from `initial` on one batch; returns ([(loss, grad_norm)], params as numpy)."""
   mesh, cfg, model, tx, lr_fn = make_layout(mesh_shape, remat=remat, pipeline_microbatches=pipeline_microbatches,
                                             devices=devices)
-  partitioning.check_layout(cfg, mesh.shape, BATCH, num_microbatches)
+  config_lib.check_layout(cfg, mesh.shape, batch_size=BATCH, num_microbatches=num_microbatches)
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
     _, shardings = train_state.state_shardings(model, tx, mesh, RULES)
     state = jax.device_put(initial, shardings)
@@ -189,7 +190,7 @@ def no_remat_grads(initial_state):
   return loss_grads(CFG, initial_state.params)
 
 
-@pytest.mark.parametrize("policy", [p for p in model_lib.REMAT_POLICIES if p != "none"])
+@pytest.mark.parametrize("policy", [p for p in config_lib.REMAT_POLICIES if p != "none"])
 def test_remat_policy_keeps_gradients(policy, initial_state, no_remat_grads):
   """Every remat policy gives the gradients of no remat (offload_dots included: this CPU backend
   has a pinned_host memory space, so it runs here too)."""
@@ -202,7 +203,8 @@ def test_remat_policy_keeps_gradients(policy, initial_state, no_remat_grads):
 def check(model_overrides: dict, mesh_shape: dict, batch_size: int = BATCH, num_microbatches: int = 1):
   cfg = dataclasses.replace(CFG, **model_overrides)
   cfg.validate()
-  partitioning.check_layout(cfg, mesh_lib.resolve_mesh_shape(mesh_shape, 8), batch_size, num_microbatches)
+  config_lib.check_layout(cfg, mesh_lib.resolve_mesh_shape(mesh_shape, 8), batch_size=batch_size,
+                          num_microbatches=num_microbatches)
 
 
 @pytest.mark.parametrize("model_overrides, mesh_shape, batch_size, num_microbatches, message", [
@@ -227,13 +229,13 @@ def test_bad_layouts_are_refused_before_compiling(model_overrides, mesh_shape, b
 
 
 def test_offload_is_refused_where_the_backend_has_no_host_memory(monkeypatch):
-  monkeypatch.setattr(model_lib, "_has_host_offload", lambda: False)
+  monkeypatch.setattr(config_lib, "_has_host_offload", lambda: False)
   with pytest.raises(ValueError, match="GPTConfig.remat_policy='offload_dots' needs a 'pinned_host'"):
     dataclasses.replace(CFG, remat_policy="offload_dots").validate()
 
 
 def test_trainer_validate_layout_applies_the_model_checks():
-  from t5x_like import trainer  # pylint: disable=g-import-not-at-top  (imports TensorFlow)
+  from t5x_like.training import trainer  # pylint: disable=g-import-not-at-top  (imports TensorFlow)
   mesh = mesh_lib.create_mesh({"tensor": 8})
   config = trainer.TrainConfig(batch_size=BATCH, mesh_shape={"tensor": 8})
   trainer.validate_layout(config, mesh, CFG)

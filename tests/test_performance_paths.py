@@ -12,11 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_like import model as model_lib
-from t5x_like import offload
-from t5x_like import optimizer
-from t5x_like import train_state
-from t5x_like import train_step
+from t5x_like.model import blocks
+from t5x_like.model import decoder as model_lib
+from t5x_like.parallel import offload
+from t5x_like.training import optimizer
+from t5x_like.training import train_state
+from t5x_like.training import step as train_step
 from tests import test_precision
 
 CFG = test_precision.CFG
@@ -37,10 +38,10 @@ def test_scanned_blocks_equal_unrolled_blocks():
   cfg = dataclasses.replace(CFG, num_layers=3)
   x = jax.random.normal(jax.random.key(1), (2, 8, cfg.d_model), jnp.float32)
   mask = jnp.ones((2, 1, 8, 8), jnp.bool_) & jnp.tril(jnp.ones((8, 8), jnp.bool_))
-  stacked = model_lib.init_stacked_blocks(cfg, jax.random.key(0), cfg.num_layers)
+  stacked = blocks.init_stacked_blocks(cfg, jax.random.key(0), cfg.num_layers)
   stacked = jax.tree.map(lambda b: b.value, stacked, is_leaf=lambda b: hasattr(b, "value"))
-  scanned = model_lib.scan_blocks(cfg, stacked, x, mask)
-  block = model_lib.block_fn(cfg)
+  scanned = blocks.scan_blocks(cfg, stacked, x, mask)
+  block = blocks.block_fn(cfg)
   unrolled = x
   for i in range(cfg.num_layers):
     unrolled = block(jax.tree.map(lambda p: p[i], stacked), unrolled, mask)

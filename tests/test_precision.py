@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_like import checkpoints
-from t5x_like import model as model_lib
-from t5x_like import optimizer
-from t5x_like import precision
-from t5x_like import train_state
-from t5x_like import train_step
+from t5x_like.training import checkpointing as checkpoints
+from t5x_like.model import decoder as model_lib
+from t5x_like.training import optimizer
+from t5x_like.training import precision
+from t5x_like.training import train_state
+from t5x_like.training import step as train_step
 
 CFG = model_lib.GPTConfig(vocab_size=256, max_len=32, num_layers=2, num_heads=4, d_model=64, d_ff=256,
                           dtype="float32")

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from t5x_like import tokenizer as tokenizer_lib
+from t5x_like.data import tokenizer as tokenizer_lib
 
-TESTDATA = os.path.join(os.path.dirname(tokenizer_lib.__file__), "testdata")
+TESTDATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_unigram_from_iterator(tmp_path):
 
 
 def test_vocab_below_what_the_corpus_needs_is_a_clear_error(tmp_path):
-  from t5x_like import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  from t5x_like.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   text = ["the mesh shards tokens. every host reads records."] * 50
   with pytest.raises(ValueError, match="vocab_size=64 is below"):
     tokenizer_lib.train_tokenizer(text, str(tmp_path / "t"), vocab_size=64, byte_fallback=True)

@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-from t5x_like import input_pipeline
-from t5x_like import model as model_lib
-from t5x_like import optimizer as optimizer_lib
-from t5x_like import preprocess
-from t5x_like import trainer
+from t5x_like.data import input_pipeline
+from t5x_like.model import decoder as model_lib
+from t5x_like.training import optimizer as optimizer_lib
+from t5x_like.data import preprocessing as preprocess
+from t5x_like.training import trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = model_lib.GPTConfig(num_layers=2, num_heads=4, d_model=64, d_ff=256, max_len=64, dtype="float32")

@@ -48,7 +48,7 @@ def stdlib_files(max_bytes: int, include_tests: bool = False) -> list[str]:
 def main(argv) -> None:
   del argv
   logging.basicConfig(level=logging.INFO, format="%(message)s")
-  from t5x_like import preprocess  # pylint: disable=g-import-not-at-top  (after flag parsing)
+  from t5x_like.data import preprocessing as preprocess  # pylint: disable=g-import-not-at-top  (after flag parsing)
   files = stdlib_files(int(_MAX_MB.value * 2**20), _INCLUDE_TESTS.value)
   logging.info("Corpus: %d files, %.1f MB from %s", len(files),
                sum(map(os.path.getsize, files)) / 2**20, sysconfig.get_paths()["stdlib"])

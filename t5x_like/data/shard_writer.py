@@ -12,8 +12,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from t5x_like import packing
-from t5x_like.input_pipeline import file_sha256
+from t5x_like.data import packing
+from t5x_like.data.input_pipeline import file_sha256
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

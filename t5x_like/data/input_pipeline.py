@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from t5x_like import packing
-from t5x_like.packing import pack_features  # pylint: disable=unused-import  (public API)
+from t5x_like.data import packing
+from t5x_like.data.packing import pack_features  # pylint: disable=unused-import  (public API)
 
 try:  # TensorFlow only feeds data here: keep it off the accelerators JAX owns.
   tf.config.set_visible_devices([], "GPU")

@@ -18,16 +18,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from t5x_like import axis_names as ax
-from t5x_like import layers
-from t5x_like import model as model_lib
+from t5x_like.parallel import axis_names as ax
+from t5x_like.model import layers
+from t5x_like.model import blocks as blocks_lib
+from t5x_like.model.config import GPTConfig, pipeline_microbatches
 
 _ACT = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
-
-
-def num_microbatches(config: model_lib.GPTConfig) -> int:
-  """Pipeline microbatches per forward pass: `pipeline_microbatches`, or 2 × stages when it is 0."""
-  return config.pipeline_microbatches or 2 * config.num_stages
 
 
 def bubble_fraction(num_stages: int, microbatches: int) -> float:
@@ -36,15 +32,15 @@ def bubble_fraction(num_stages: int, microbatches: int) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def _block_param_names(config: model_lib.GPTConfig):
+def _block_param_names(config: GPTConfig):
   """Logical names of one Block's parameters (no LAYERS axis), as a params-shaped tree of tuples."""
-  block = model_lib.Block(config, parent=None)
+  block = blocks_lib.Block(config, parent=None)
   shapes = jax.eval_shape(lambda: block.init(jax.random.key(0), jnp.zeros((1, 1, config.d_model), config.compute_dtype),
                                              jnp.ones((1, 1, 1, 1), jnp.bool_))["params"])
   return jax.tree.map(lambda b: tuple(b.names), shapes, is_leaf=lambda b: isinstance(b, nn.LogicallyPartitioned))
 
 
-def stage_params(config: model_lib.GPTConfig, stacked_params):
+def stage_params(config: GPTConfig, stacked_params):
   """(L, ...) stacked block parameters → (P, L/P, ...), stage axis constrained to STAGE's mesh axis."""
   p = config.num_stages
   names = _block_param_names(config)
@@ -75,7 +71,7 @@ def _merge(x):
   return jnp.swapaxes(x, 0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
-def pipeline_blocks(config: model_lib.GPTConfig, stacked_params, x, segment_ids):
+def pipeline_blocks(config: GPTConfig, stacked_params, x, segment_ids):
   """Applies the stacked blocks like `model.scan_blocks`, split into `num_stages` pipelined stages.
 
   Args:
@@ -88,7 +84,7 @@ def pipeline_blocks(config: model_lib.GPTConfig, stacked_params, x, segment_ids)
     (B, T, D), equal to the sequential run.
   """
   p = config.num_stages
-  m = num_microbatches(config)
+  m = pipeline_microbatches(config)
   b, t, d = x.shape
   if b % m:
     raise ValueError(f"pipeline: {b} rows per (gradient-accumulation) microbatch are not divisible by "
@@ -100,7 +96,7 @@ def pipeline_blocks(config: model_lib.GPTConfig, stacked_params, x, segment_ids)
   is_first = (jnp.arange(p) == 0)  # (P,)
 
   def run_stage(stage_weights, h, seg):  # one stage: its L/P layers on one microbatch
-    return model_lib.scan_blocks(config, stage_weights, h, layers.causal_segment_mask(seg))
+    return blocks_lib.scan_blocks(config, stage_weights, h, layers.causal_segment_mask(seg))
 
   run_stages = jax.vmap(run_stage, spmd_axis_name=_stage_axis_name())
 

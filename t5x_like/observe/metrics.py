@@ -14,8 +14,8 @@ import jax
 import numpy as np
 import tensorflow as tf
 
-from t5x_like import flops
-from t5x_like import input_pipeline
+from t5x_like.observe import flops
+from t5x_like.data import input_pipeline
 
 
 class MetricsLogger:

@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from t5x_like import axis_names as ax
+from t5x_like.parallel import axis_names as ax
 
 Rules = Sequence[tuple]
 
@@ -64,33 +64,3 @@ def bytes_per_device(tree: Any) -> dict:
     for shard in leaf.addressable_shards:
       held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
   return held
-
-
-def check_layout(model_config, mesh_shape: Mapping[str, int], batch_size: int, num_microbatches: int) -> None:
-  """Raises ValueError, naming the config key, for a model/batch that the mesh cannot split evenly.
-
-  Runs before anything is traced or compiled. `mesh_shape` is the resolved MESH_SHAPE (or mesh.shape).
-  """
-  from t5x_like import pipeline  # pylint: disable=g-import-not-at-top  (pipeline imports the model)
-  size = lambda axis: int(mesh_shape.get(axis, 1))
-  cfg, tensor, stages = model_config, size("tensor"), size("pipeline")
-  for key, value in (("num_heads", cfg.num_heads), ("d_ff", cfg.d_ff), ("vocab_size", cfg.vocab_size)):
-    if value % tensor:
-      raise ValueError(f"GPTConfig.{key}={value} is not divisible by MESH_SHAPE['tensor']={tensor}")
-  if cfg.d_model % size("fsdp"):
-    raise ValueError(f"GPTConfig.d_model={cfg.d_model} is not divisible by MESH_SHAPE['fsdp']={size('fsdp')}")
-  if cfg.num_stages != stages:
-    raise ValueError(f"GPTConfig.num_stages={cfg.num_stages} differs from MESH_SHAPE['pipeline']={stages}")
-  if cfg.num_layers % stages:
-    raise ValueError(f"GPTConfig.num_layers={cfg.num_layers} is not divisible by MESH_SHAPE['pipeline']={stages}")
-  rows = size("data") * size("fsdp")
-  if num_microbatches < 1 or batch_size % (rows * num_microbatches):
-    raise ValueError(f"BATCH_SIZE={batch_size} is not divisible by data×fsdp×NUM_MICROBATCHES = "
-                     f"{size('data')}×{size('fsdp')}×{num_microbatches}")
-  if stages > 1:
-    m = pipeline.num_microbatches(cfg)
-    per_step = batch_size // num_microbatches
-    if per_step % (m * rows):
-      raise ValueError(f"GPTConfig.pipeline_microbatches={cfg.pipeline_microbatches} (→ {m} pipeline microbatches): "
-                       f"BATCH_SIZE/NUM_MICROBATCHES = {per_step} rows are not divisible by "
-                       f"{m} microbatches × data×fsdp={rows}")

@@ -14,7 +14,7 @@ from absl import logging
 import jax
 import numpy as np
 
-from t5x_like import checkpoints
+from t5x_like.training import checkpointing as checkpoints
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint was written at the signal's step; relaunch to resume
 EXIT_SAVE_FAILED = 74  # EX_IOERR: checkpoints could not be written (read-only or full MODEL_DIR)

@@ -12,8 +12,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from t5x_like import text_cleaning
-from t5x_like.shard_writer import join
+from t5x_like.data import text_cleaning
+from t5x_like.data.shard_writer import join
 
 log = logging.getLogger(__name__)
 CACHE_VERSION = "1"  # bump when the cached content changes meaning

@@ -105,7 +105,7 @@ def get(name: str) -> Hardware:
   key = ALIASES.get(name.lower(), name.lower())
   if key not in CATALOGUE:
     raise ValueError(f"unknown hardware {name!r}: expected one of {sorted(CATALOGUE)} "
-                     f"(or add it with a JSON file, see t5x_like/hardware.py)")
+                     f"(or add it with a JSON file, see t5x_like/observe/hardware.py)")
   return CATALOGUE[key]
 
 
@@ -161,6 +161,6 @@ def peak_flops_per_device(device=None, dtype: str = "bfloat16") -> tuple:
   hw = from_device_kind(device.device_kind)
   if hw is None:
     raise ValueError(f"no catalogue entry for device_kind {device.device_kind!r}: add one with a JSON file "
-                     f"via $T5X_LIKE_HARDWARE (see t5x_like/hardware.py)")
+                     f"via $T5X_LIKE_HARDWARE (see t5x_like/observe/hardware.py)")
   peak = hw.peak_flops.get(dtype) or hw.peak_flops["bfloat16"]
   return peak, f"catalogue:{hw.name}"

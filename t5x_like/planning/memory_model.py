@@ -16,9 +16,13 @@ import jax
 import jax.numpy as jnp
 from jax._src.ad_checkpoint import saved_residuals  # public as jax.ad_checkpoint.print_saved_residuals
 
-from t5x_like import mesh as mesh_lib
-from t5x_like import model as model_lib
-from t5x_like import partitioning
+from t5x_like.parallel import mesh as mesh_lib
+from t5x_like.model import config as config_lib
+from t5x_like.model import decoder as model_lib
+from t5x_like.parallel import partitioning
+from t5x_like.training import optimizer
+from t5x_like.training import step as train_step
+from t5x_like.training import train_state
 
 # Calibration: least-squares fit of XLA:CPU's compiled memory analysis over 12 layouts (data, fsdp,
 # tensor, accumulation, every remat policy); tests/test_plan.py checks fresh shapes stay within 15%.
@@ -73,12 +77,6 @@ class MemoryEstimate:
     return self.params + self.optimizer + self.grads + self.activations + self.working + self.inputs
 
 
-def _shape_only(cfg: model_lib.GPTConfig) -> model_lib.GPTConfig:
-  """The fields that fix parameter shapes (the cache key of the abstract init)."""
-  return dataclasses.replace(cfg, remat_policy="none", num_stages=1, pipeline_microbatches=0,
-                             attention_impl="reference", dtype="bfloat16")
-
-
 @functools.lru_cache(maxsize=32)
 def _boxed_params_cached(cfg: model_lib.GPTConfig):
   init = lambda: model_lib.GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
@@ -86,17 +84,24 @@ def _boxed_params_cached(cfg: model_lib.GPTConfig):
 
 
 def _boxed_params(cfg: model_lib.GPTConfig):
-  return _boxed_params_cached(_shape_only(cfg))
+  return _boxed_params_cached(model_lib.shape_only(cfg))
 
 
-@functools.lru_cache(maxsize=32)
-def _count_params_cached(cfg: model_lib.GPTConfig) -> int:
-  return model_lib.count_params(cfg)
+def layout_config(cfg: model_lib.GPTConfig, layout: Layout) -> model_lib.GPTConfig:
+  """The model config as `layout` runs it: its remat policy, pipeline stages and pipeline microbatches."""
+  return dataclasses.replace(cfg, remat_policy=layout.remat_policy, num_stages=layout.pipeline,
+                             pipeline_microbatches=layout.pipeline_microbatches if layout.pipeline > 1 else 0)
 
 
-def param_count(cfg: model_lib.GPTConfig) -> int:
-  """model.count_params, cached on the shape-fixing fields."""
-  return _count_params_cached(_shape_only(cfg))
+def layout_reason(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int,
+                  rules=partitioning.DEFAULT_RULES) -> Optional[str]:
+  """The layout validator's reason why `layout` cannot run this model and batch (None if it can)."""
+  try:
+    config_lib.check_layout(layout_config(cfg, layout), layout.mesh_shape, rules, batch_size=global_batch,
+                            num_microbatches=layout.num_microbatches)
+  except ValueError as e:
+    return str(e)
+  return None
 
 
 def _rules_dict(rules) -> dict:
@@ -141,7 +146,6 @@ def residual_profile(cfg: model_lib.GPTConfig, seq_len: int) -> ResidualProfile:
   A residual is per-layer when its leading axes are (LAYERS, rows), tensor-split when one of its
   trailing axes is the head count, d_ff or the vocabulary, parameter-derived when it has no row axis.
   """
-  from t5x_like import train_step  # pylint: disable=g-import-not-at-top
   cfg = dataclasses.replace(cfg, num_stages=1)
   rows = _trace_rows(cfg, seq_len)
   params = nn.meta.unbox(_boxed_params(cfg))
@@ -179,7 +183,7 @@ def estimate(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int, seq_le
   """
   cfg = dataclasses.replace(cfg, remat_policy=layout.remat_policy)
   p_dev = param_elements_per_device(cfg, layout, rules)
-  p_total = param_count(cfg)
+  p_total = model_lib.count_params(cfg)
   batch_ways = layout.data * layout.fsdp
   rows = global_batch / (batch_ways * layout.num_microbatches)  # sequences per device per accumulation microbatch
   t = layout.tensor
@@ -216,14 +220,14 @@ def compile_train_step(cfg: model_lib.GPTConfig, layout: Layout, global_batch: i
   Needs `layout.num_devices` devices (on CPU: `jax_num_cpu_devices` / XLA_FLAGS set before jax starts).
   Returns the `jax.stages.Compiled`; nothing is allocated.
   """
-  from t5x_like import optimizer, train_state, train_step  # pylint: disable=g-import-not-at-top
   devices = list(devices if devices is not None else jax.devices())[:layout.num_devices]
   if len(devices) < layout.num_devices:
     raise ValueError(f"layout {layout.describe()} needs {layout.num_devices} devices, {len(devices)} available")
   mesh = mesh_lib.create_mesh(layout.mesh_shape, devices)
-  cfg = dataclasses.replace(cfg, remat_policy=layout.remat_policy, num_stages=layout.pipeline,
-                            pipeline_microbatches=layout.pipeline_microbatches)
+  cfg = layout_config(cfg, layout)
   cfg.validate()
+  config_lib.check_layout(cfg, layout.mesh_shape, rules, batch_size=global_batch,
+                          num_microbatches=layout.num_microbatches)
   model = model_lib.GPT(cfg)
   opt_config = optimizer.OptimizerConfig()
   tx = optimizer.make_optimizer(opt_config, 1000)

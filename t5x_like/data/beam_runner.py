@@ -14,11 +14,11 @@ from apache_beam.options.pipeline_options import PipelineOptions
 import numpy as np
 import tensorflow as tf
 
-from t5x_like import packing
-from t5x_like import preprocess as pp
-from t5x_like import shard_writer
-from t5x_like import text_cleaning
-from t5x_like.text_cleaning import CleaningConfig
+from t5x_like.data import packing
+from t5x_like.data import preprocessing as pp
+from t5x_like.data import shard_writer
+from t5x_like.data import text_cleaning
+from t5x_like.data.text_cleaning import CleaningConfig
 
 log = logging.getLogger(__name__)
 _PARTS = ".beam-parts"  # per-shard manifest entries and counts, read back by the driver

@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from t5x_like import axis_names as ax
+from t5x_like.parallel import axis_names as ax
 
 Dtype = Any
 _INIT = nn.initializers.normal(stddev=0.02)

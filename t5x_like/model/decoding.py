@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5x_like import model as model_lib
+from t5x_like.model import decoder as model_lib
 
 
 def left_pad(prompts: list, pad_id: int = 0) -> tuple:

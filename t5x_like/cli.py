@@ -1,4 +1,4 @@
-"""Gin plumbing for the entry points: --gin_file / --gin.NAME=VALUE / --gin_search_paths, one-line errors."""
+"""Command-line plumbing shared by the entry points: --gin_file / --gin.NAME=VALUE / --gin_search_paths, one-line errors."""
 
 import os
 import sys
@@ -6,6 +6,11 @@ from typing import Callable, Sequence, TypeVar
 
 from absl import app, flags, logging
 import gin
+
+from t5x_like.model import decoder
+from t5x_like.training import optimizer
+from t5x_like.training import precision
+from t5x_like.training import trainer
 
 T = TypeVar("T")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # so 'configs/...' resolves anywhere
@@ -29,8 +34,7 @@ def register(cls: type, module: str) -> None:
 
 def register_all() -> None:
   """Registers every config type a gin file may bind (`model.GPTConfig.d_model = 512`, ...)."""
-  from t5x_like import model, optimizer, precision, trainer  # pylint: disable=g-import-not-at-top
-  register(model.GPTConfig, "model")
+  register(decoder.GPTConfig, "model")
   register(optimizer.OptimizerConfig, "optimizer")
   register(precision.PrecisionConfig, "precision")
   register(trainer.TrainConfig, "trainer")

@@ -14,13 +14,12 @@ not halve it for causal masking; `causal_halved=True` counts only the unmasked h
 FLOPs: rematerialisation's recomputed forward is not counted (see `hardware_flops_per_token`).
 """
 
-from t5x_like import memory_model
-from t5x_like import model as model_lib
+from t5x_like.model import decoder as model_lib
 
 
 def matmul_params(cfg: model_lib.GPTConfig) -> int:
   """N of the formula: all parameters minus those only gathered (position table, untied input table)."""
-  n = memory_model.param_count(cfg) - cfg.max_len * cfg.d_model
+  n = model_lib.count_params(cfg) - cfg.max_len * cfg.d_model
   if not cfg.tie_embeddings:
     n -= cfg.vocab_size * cfg.d_model
   return n

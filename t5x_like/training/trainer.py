@@ -12,23 +12,24 @@ import jax
 import jax.numpy as jnp
 import tensorflow as tf
 
-from t5x_like import checkpoints
-from t5x_like import fault_tolerance
-from t5x_like import flops
-from t5x_like import global_batch
-from t5x_like import hardware
-from t5x_like import input_pipeline
-from t5x_like import mesh as mesh_lib
-from t5x_like import metrics as metrics_lib
-from t5x_like import model as model_lib
-from t5x_like import monitoring
-from t5x_like import offload
-from t5x_like import optimizer as optimizer_lib
-from t5x_like import partitioning
-from t5x_like import precision
-from t5x_like import profiling
-from t5x_like import train_state as train_state_lib
-from t5x_like import train_step as train_step_lib
+from t5x_like.training import checkpointing as checkpoints
+from t5x_like.training import fault_tolerance
+from t5x_like.observe import flops
+from t5x_like.parallel import global_batch
+from t5x_like.observe import hardware
+from t5x_like.data import input_pipeline
+from t5x_like.parallel import mesh as mesh_lib
+from t5x_like.observe import metrics as metrics_lib
+from t5x_like.model import config as config_lib
+from t5x_like.model import decoder as model_lib
+from t5x_like.observe import prometheus as monitoring
+from t5x_like.parallel import offload
+from t5x_like.training import optimizer as optimizer_lib
+from t5x_like.parallel import partitioning
+from t5x_like.training import precision
+from t5x_like.observe import profiling
+from t5x_like.training import train_state as train_state_lib
+from t5x_like.training import step as train_step_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +99,8 @@ def validate_layout(config: TrainConfig, mesh, model_config: Optional[model_lib.
   if config.batch_size % jax.process_count():
     raise ValueError(f"BATCH_SIZE={config.batch_size} is not divisible by {jax.process_count()} processes")
   if model_config is not None:
-    partitioning.check_layout(model_config, mesh.shape, config.batch_size, config.num_microbatches)
+    config_lib.check_layout(model_config, mesh.shape, config.axis_rules, batch_size=config.batch_size,
+                            num_microbatches=config.num_microbatches)
 
 
 class Experiment:
@@ -213,6 +215,25 @@ class Experiment:
     loss = loss_sum / max(weight_sum, 1.0)
     return {"eval/loss": loss, "eval/perplexity": metrics_lib.perplexity(loss), "eval/tokens": weight_sum,
             "eval/batches": count}
+
+
+  def restore_params(self, step: Optional[int] = None):
+    """(step, params) of MODEL_DIR's newest readable checkpoint (or `step`), on this mesh; no optimizer state."""
+    abstract = checkpoints.abstract_with_shardings(self.abstract_state, self.state_shardings).params
+    return checkpoints.restore_newest_params(self.config.model_dir, abstract, step)
+
+  def evaluate_checkpoint(self, step: Optional[int] = None, split: str = "validation") -> dict:
+    """Restores a checkpoint onto this mesh and evaluates it on `split` of DATA_DIR.
+
+    Returns:
+      {"step", "split", "eval/loss", "eval/perplexity", "eval/tokens", "eval/batches"}.
+    """
+    if split not in self.manifest["splits"]:
+      raise ValueError(f"DATA_DIR '{self.config.data_dir}' has no split '{split}' "
+                       f"(available: {sorted(self.manifest['splits'])})")
+    with self.context():
+      found, params = self.restore_params(step)
+    return {"step": int(found), "split": split, **self.evaluate(params, split=split)}
 
 
 class _Context:

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from t5x_like import precision
-from t5x_like.train_state import TrainState
+from t5x_like.training import precision
+from t5x_like.training.train_state import TrainState
 
 Batch = dict  # inputs, targets, segment_ids, positions: (B, L) int32; weights: (B, L) float32
 

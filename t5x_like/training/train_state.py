@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from t5x_like import partitioning
+from t5x_like.parallel import partitioning
 
 
 @flax.struct.dataclass

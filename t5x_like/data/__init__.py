@@ -1,0 +1,1 @@
+"""Text → tokens → TFRecord shards (preprocessing) and shards → batches (the tf.data pipeline)."""

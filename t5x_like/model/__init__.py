@@ -1,0 +1,1 @@
+"""The decoder: layers, blocks, pipeline parallelism of the layer stack, KV-cache decoding."""

@@ -1,0 +1,125 @@
+"""GPT decoder: embeddings → stacked blocks (scanned or pipelined) → LayerNorm → float32 logits."""
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from t5x_like.model import layers
+from t5x_like.model import pipeline_parallel
+from t5x_like.model.blocks import Block, init_stacked_blocks, scan_blocks
+from t5x_like.model.config import GPTConfig  # re-exported: decoder.GPTConfig is the config most callers name
+from t5x_like.parallel import axis_names as ax
+
+
+class GPT(nn.Module):
+  """Token + learned position embeddings → stacked blocks → LayerNorm → float32 logits."""
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, tokens, positions=None, segment_ids=None, cache=None, cache_index=None,
+               return_hidden: bool = False):
+    """Forward pass.
+
+    Args:
+      tokens: (B, T) int token ids.
+      positions: (B, T) position of each token in its document; default arange(T).
+      segment_ids: (B, T) document ids, 0 = padding; default all ones.
+      cache: decoding only: `init_cache(...)`, the keys/values of earlier chunks.
+      cache_index: decoding only: the cache slot of this chunk's first token (scalar int).
+      return_hidden: return the final LayerNorm's output (B, T, D) instead of logits, for a loss that
+        projects it chunk by chunk (`project_logits`).
+
+    Returns:
+      (B, T, V) float32 logits, and the updated cache when `cache` was given.
+    """
+    cfg = self.config
+    b, t = tokens.shape
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    if segment_ids is None:
+      segment_ids = jnp.ones((b, t), jnp.int32)
+    embedding = self.param("token_embedding", nn.with_logical_partitioning(layers._INIT, (ax.VOCAB, ax.EMBED)),
+                           (cfg.vocab_size, cfg.d_model), jnp.float32)
+    pos_table = self.param("position_embedding",
+                           nn.with_logical_partitioning(layers._INIT, (ax.POSITION, ax.EMBED)),
+                           (cfg.max_len, cfg.d_model), jnp.float32)
+    blocks = self.param("blocks", lambda r: init_stacked_blocks(cfg, r, cfg.num_layers))
+    x = (layers.lookup(embedding, tokens, ax.VOCAB) + layers.lookup(pos_table, positions, ax.POSITION)
+         ).astype(cfg.compute_dtype)
+    x = layers.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))  # (B, T, D)
+    new_cache = None
+    if cache is not None:
+      x, new_cache = self._decode_blocks(blocks, x, segment_ids, cache, cache_index)
+    elif cfg.num_stages > 1 and not self.is_initializing():  # init only needs shapes: run sequentially
+      x = pipeline_parallel.pipeline_blocks(cfg, blocks, x, segment_ids)
+    else:
+      x = scan_blocks(cfg, blocks, x, layers.causal_segment_mask(segment_ids))
+    x = layers.LayerNorm(dtype=cfg.compute_dtype, epsilon=cfg.layer_norm_epsilon, name="ln_f")(x)
+    if return_hidden and not self.is_initializing():
+      return x
+    if cfg.tie_embeddings:
+      logits = project_logits({"token_embedding": embedding}, x, cfg)
+    else:
+      logits = layers.DenseGeneral((cfg.d_model,), (cfg.vocab_size,), (ax.EMBED, ax.VOCAB), (ax.VOCAB,),
+                                   dtype=cfg.compute_dtype, name="lm_head")(x).astype(jnp.float32)
+    logits = layers.constrain(logits, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB))  # (B, T, V) float32
+    return logits if cache is None else (logits, new_cache)
+
+  def _decode_blocks(self, blocks, x, segment_ids, cache, cache_index):
+    """Blocks over a KV cache: this chunk's keys/values are written at slots cache_index.., and each
+    query attends to the filled, non-padding slots at or before its own."""
+    block = Block(self.config, parent=None)
+    seg = jax.lax.dynamic_update_slice_in_dim(cache["segment_ids"], segment_ids, cache_index, axis=1)
+    query_slots = cache_index + jnp.arange(x.shape[1])  # (T,)
+    key_slots = jnp.arange(seg.shape[1])  # (S,)
+    mask = (key_slots[None, None, :] <= query_slots[None, :, None]) & (seg[:, None, :] != 0)  # (B, T, S)
+
+    def body(h, layer):
+      params, k_cache, v_cache = layer
+      h, (k_new, v_new) = block.apply({"params": params}, h, mask[:, None], (k_cache, v_cache), cache_index)
+      return h, (k_new, v_new)
+
+    x, (k, v) = jax.lax.scan(body, x, (blocks, cache["k"], cache["v"]))
+    return x, {"k": k, "v": v, "segment_ids": seg}
+
+
+def project_logits(params, hidden: jax.Array, config: GPTConfig) -> jax.Array:
+  """Final hidden states (B, T, D) → float32 logits (B, T, V) with the model's output projection
+  (the tied token embedding, or the untied `lm_head`), vocabulary-sharded like the full model's."""
+  dtype = config.compute_dtype
+  if config.tie_embeddings:
+    logits = jnp.einsum("btd,vd->btv", hidden.astype(dtype), params["token_embedding"].astype(dtype),
+                        preferred_element_type=jnp.float32)
+  else:
+    head = params["lm_head"]
+    logits = (jnp.einsum("btd,dv->btv", hidden.astype(dtype), head["kernel"].astype(dtype))
+              + head["bias"].astype(dtype)).astype(jnp.float32)
+  return layers.constrain(logits, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB))
+
+
+def init_cache(config: GPTConfig, batch: int, length: int, dtype=None) -> dict:
+  """Empty KV cache: k, v (LAYERS, B, length, H, Dh) and the slots' segment ids (B, length), 0 = empty."""
+  shape = (config.num_layers, batch, length, config.num_heads, config.head_dim)
+  dtype = dtype or config.compute_dtype
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+          "segment_ids": jnp.zeros((batch, length), jnp.int32)}
+
+
+def count_params(config: GPTConfig) -> int:
+  """Exact parameter count from an abstract init (no memory is allocated; cached on the shape-fixing fields)."""
+  return _count_params_cached(shape_only(config))
+
+
+def shape_only(config: GPTConfig) -> GPTConfig:
+  """The config with only the fields that fix parameter shapes kept (a cache key for abstract inits)."""
+  return dataclasses.replace(config, remat_policy="none", num_stages=1, pipeline_microbatches=0,
+                             attention_impl="reference", dtype="bfloat16")
+
+
+@functools.lru_cache(maxsize=32)
+def _count_params_cached(config: GPTConfig) -> int:
+  shapes = jax.eval_shape(lambda: GPT(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+  return sum(int(x.size) for x in jax.tree.leaves(nn.meta.unbox(shapes)))

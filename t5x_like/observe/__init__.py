@@ -1,0 +1,1 @@
+"""Metric writers, FLOPs/MFU, Prometheus, profiling, plots."""

@@ -1,0 +1,1 @@
+"""Hardware catalogue, memory model and the layout planner."""
