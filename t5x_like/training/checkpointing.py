@@ -223,7 +223,7 @@ def run_metadata(*, mesh_shape, data_dir: str, gin_config: str, **extra) -> dict
   """What a checkpoint records about its run (JSON): mesh, data manifest hash, config, code version."""
   return {"mesh_shape": {k: int(v) for k, v in dict(mesh_shape).items()},
           "manifest_sha256": file_sha256(os.path.join(data_dir, "manifest.json")) if data_dir else None,
-          "gin_config": gin_config, "code_version": code_version(), "jax_version": jax.t5x_like.__version__,
+          "gin_config": gin_config, "code_version": code_version(), "jax_version": jax.__version__,
           "process_count": jax.process_count(), **extra}
 
 
