@@ -42,6 +42,7 @@ from t5x_like.parallel import partitioning
 from t5x_like.model import pipeline_parallel as pipeline
 from t5x_like.training import train_state
 from t5x_like.training import step as train_step
+from t5x_like.training.objectives import language_model
 
 RULES = partitioning.DEFAULT_RULES
 LAYOUT_CFG = model_lib.GPTConfig(vocab_size=512, max_len=64, num_layers=4, num_heads=8, d_model=128, d_ff=512,
@@ -95,7 +96,7 @@ def layout_step_seconds(mesh_shape: dict, pipeline_microbatches: int, repeats: i
     batch_sharding = partitioning.batch_sharding(mesh, RULES)
     batch = {k: jax.device_put(v, batch_sharding)
              for k, v in synthetic_batch(LAYOUT_BATCH, LAYOUT_SEQ, cfg.vocab_size).items()}
-    step = jax.jit(functools.partial(train_step.train_step, apply_fn=model.apply, tx=tx, lr_fn=lr_fn),
+    step = jax.jit(functools.partial(train_step.train_step, objective=language_model.LanguageModel(model.apply), tx=tx, lr_fn=lr_fn),
                    in_shardings=(shardings, {k: batch_sharding for k in batch}), out_shardings=(shardings, None))
     holder = [state]
 

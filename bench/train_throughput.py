@@ -10,7 +10,8 @@ bfloat16), then for every point of the grid (model × batch × seq × dtype × r
 TrainState, jits `train_step` exactly as the trainer does (in/out shardings, donated state) and times
 `--steps` steps on one synthetic batch kept on the device (the input pipeline has its own bench).
 
-Columns: MFU = model FLOPs (`flops.train_flops_per_token`, PaLM 6N + 12LTd) per second over the peak;
+Columns: MFU = model FLOPs (`flops.train_flops_per_token`, PaLM 6N + 12LTd) per second over the peak
+(measured here, and the catalogue's; on CPU the theoretical peak `hardware.cpu_peak_flops` the trainer uses);
 HFU counts rematerialisation's recomputed forward too (`flops.hardware_flops_per_token`). On a shared
 CPU wall time is noisy, so `cpu eff.` reports model FLOPs per CPU-second of this process over the
 matmul's FLOPs per CPU-second: what the step reaches per core it actually got. Prints Markdown.
@@ -41,6 +42,7 @@ from t5x_like.parallel import partitioning
 from t5x_like.training import precision
 from t5x_like.training import train_state
 from t5x_like.training import step as train_step
+from t5x_like.training.objectives import language_model
 
 MODELS = {  # name → (gin file, vocabulary used for the synthetic tokens)
     "gpt_tiny": ("configs/models/gpt_tiny.gin", 4096),
@@ -100,7 +102,7 @@ def bench_point(cfg, batch: int, seq: int, steps: int, warmup: int, loss_scaling
       state = jax.device_put(state, shardings)
     batch_sh = partitioning.batch_sharding(mesh, RULES)
     data = {k: jax.device_put(v, batch_sh) for k, v in synthetic_batch(batch, seq, cfg.vocab_size).items()}
-    fn = functools.partial(train_step.train_step, apply_fn=model.apply, tx=tx, lr_fn=lr_fn,
+    fn = functools.partial(train_step.train_step, objective=language_model.LanguageModel(model.apply), tx=tx, lr_fn=lr_fn,
                            precision_config=prec)
     if offload_optimizer:
       fn = offload.with_device_opt_state(fn, shardings)
@@ -108,11 +110,11 @@ def bench_point(cfg, batch: int, seq: int, steps: int, warmup: int, loss_scaling
                    donate_argnums=(0,))
     t0, c0 = time.perf_counter(), time.process_time()
     compiled = step.lower(state, data).compile()
-    compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    compile_seconds, compile_cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     t0 = time.perf_counter()
     state, metrics = compiled(state, data)
     jax.block_until_ready(metrics)
-    first_step_s = time.perf_counter() - t0
+    first_step_seconds = time.perf_counter() - t0
     for _ in range(warmup):
       state, metrics = compiled(state, data)
     jax.block_until_ready(metrics)
@@ -121,7 +123,8 @@ def bench_point(cfg, batch: int, seq: int, steps: int, warmup: int, loss_scaling
       state, metrics = compiled(state, data)
     loss = float(metrics["loss"])
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-  return {"compile_s": compile_s, "compile_cpu_s": compile_cpu_s, "first_step_s": first_step_s, "step_s": wall / steps, "cpu_s": cpu / steps,
+  return {"compile_seconds": compile_seconds, "compile_cpu_seconds": compile_cpu_seconds,
+          "first_step_seconds": first_step_seconds, "step_seconds": wall / steps, "cpu_seconds": cpu / steps,
           "loss": loss}
 
 
@@ -150,7 +153,7 @@ def main():
         + (f"; float32 {rate32 / 1e9:.1f} GFLOP per CPU-second" if rate32 else ""), flush=True)
   rows = []
   header = ("| model | params | batch | seq | dtype | remat | attention | compile s (CPU s) | step s | tokens/s | "
-            "MFU (measured peak) | MFU (catalogue) | HFU | cpu eff. | loss |")
+            "MFU (measured peak) | MFU (catalogue/cpuinfo peak) | HFU | cpu eff. | loss |")
   print(header, flush=True)
   print("|" + "---|" * (header.count("|") - 1), flush=True)
   for name in split(args.models):
@@ -171,21 +174,21 @@ def main():
               # CPU: the machine's fastest matmul; GPU/TPU: the matmul peak of this dtype.
               measured = max(peak32, peak16) if device.platform == "cpu" else (
                   peak32 if dtype == "float32" else peak16)
-              try:
-                catalogue, _ = hardware.peak_flops_per_device(device, dtype)
-                catalogue = None if device.platform == "cpu" else catalogue
+              try:  # CPU: the theoretical peak of the cores XLA uses (/proc/cpuinfo), as the trainer's MFU
+                catalogue = (hardware.cpu_peak_flops()[0] if device.platform == "cpu"
+                             else hardware.peak_flops_per_device(device, dtype)[0])
               except ValueError:
                 catalogue = None
               row = dict(model=name, params=n_params, batch=batch_i, seq=seq_i, dtype=dtype, remat=remat,
-                         attention=impl, tokens_per_s=batch_i * seq_i / r["step_s"],
-                         mfu_measured=model_flops / r["step_s"] / measured,
-                         mfu_catalogue=(model_flops / r["step_s"] / catalogue) if catalogue else None,
-                         hfu_measured=hw_flops / r["step_s"] / measured,
-                         cpu_efficiency=(model_flops / r["cpu_s"] / rate32) if rate32 else None, **r)
+                         attention=impl, tokens_per_sec=batch_i * seq_i / r["step_seconds"],
+                         mfu_measured=model_flops / r["step_seconds"] / measured,
+                         mfu_catalogue=(model_flops / r["step_seconds"] / catalogue) if catalogue else None,
+                         hfu_measured=hw_flops / r["step_seconds"] / measured,
+                         cpu_efficiency=(model_flops / r["cpu_seconds"] / rate32) if rate32 else None, **r)
               rows.append(row)
               fmt = lambda x, f: "n/a" if x is None else format(x, f)
               print(f"| {name} | {n_params / 1e6:.1f}M | {batch_i} | {seq_i} | {dtype} | {remat} | {impl} | "
-                    f"{r['compile_s']:.1f} ({r['compile_cpu_s']:.1f}) | {r['step_s']:.3f} | {row['tokens_per_s']:,.0f} | "
+                    f"{r['compile_seconds']:.1f} ({r['compile_cpu_seconds']:.1f}) | {r['step_seconds']:.3f} | {row['tokens_per_sec']:,.0f} | "
                     f"{row['mfu_measured']:.1%} | {fmt(row['mfu_catalogue'], '.1%')} | "
                     f"{row['hfu_measured']:.1%} | {fmt(row['cpu_efficiency'], '.1%')} | {r['loss']:.3f} |",
                     flush=True)

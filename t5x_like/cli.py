@@ -1,5 +1,8 @@
 """Command-line plumbing shared by the entry points: --gin_file / --gin.NAME=VALUE / --gin_search_paths, one-line errors."""
 
+import dataclasses
+import importlib.resources
+import logging as std_logging
 import os
 import sys
 from typing import Callable, Sequence, TypeVar
@@ -7,14 +10,22 @@ from typing import Callable, Sequence, TypeVar
 from absl import app, flags, logging
 import gin
 
+from t5x_like import errors
 from t5x_like.model import decoder
 from t5x_like.training import optimizer
 from t5x_like.training import precision
-from t5x_like.training import trainer
+from t5x_like.training import config as train_config_lib
 
 T = TypeVar("T")
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # so 'configs/...' resolves anywhere
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a checkout: REPO_ROOT/configs/...
 _REGISTERED = {}
+# TrainConfig field → (config class, gin module name it is bound under).
+NESTED_CONFIGS = {
+    "data": (train_config_lib.DataConfig, "data"),
+    "checkpoint": (train_config_lib.CheckpointConfig, "checkpointing"),
+    "fault_tolerance": (train_config_lib.FaultToleranceConfig, "fault_tolerance"),
+    "observe": (train_config_lib.ObserveConfig, "observe"),
+}
 
 
 def define_gin_flags() -> None:
@@ -37,7 +48,9 @@ def register_all() -> None:
   register(decoder.GPTConfig, "model")
   register(optimizer.OptimizerConfig, "optimizer")
   register(precision.PrecisionConfig, "precision")
-  register(trainer.TrainConfig, "trainer")
+  register(train_config_lib.TrainConfig, "trainer")
+  for cls, module in NESTED_CONFIGS.values():
+    register(cls, module)
 
 
 def configured(cls: Callable[..., T], module: str) -> T:
@@ -46,12 +59,42 @@ def configured(cls: Callable[..., T], module: str) -> T:
   return _REGISTERED[f"{module}.{cls.__name__}"]()
 
 
+def train_config() -> train_config_lib.TrainConfig:
+  """The run's TrainConfig from the parsed gin bindings, with its per-concern configs built from theirs
+  (`data.DataConfig.shuffle_buffer = ...`, `checkpointing.CheckpointConfig.keep = ...`, ...)."""
+  nested = {field: configured(cls, module) for field, (cls, module) in NESTED_CONFIGS.items()}
+  return dataclasses.replace(configured(train_config_lib.TrainConfig, "trainer"), **nested)
+
+
+def config_roots() -> list:
+  """Folders holding the shipped `configs/`, so 'configs/models/gpt_tiny.gin' resolves from any cwd.
+
+  A checkout (or editable install) has them at REPO_ROOT/configs; `pip install .` puts them inside the
+  package as t5x_like/configs (setup.py maps the package t5x_like.configs to the top-level folder).
+  """
+  roots = [REPO_ROOT] if os.path.isdir(os.path.join(REPO_ROOT, "configs")) else []
+  installed = importlib.resources.files("t5x_like") / "configs"
+  if installed.is_dir():
+    roots.append(os.path.dirname(os.fspath(installed)))
+  return roots
+
+
 def _resolve(path: str, search_paths: Sequence[str]) -> str:
-  for base in list(search_paths) + [REPO_ROOT]:
+  bases = list(search_paths) + config_roots()
+  for base in bases:
     candidate = os.path.join(base, path)
     if os.path.isfile(candidate):
       return candidate
-  raise FileNotFoundError(f"gin file {path!r} not found (searched {list(search_paths) + [REPO_ROOT]})")
+  raise FileNotFoundError(f"gin file {path!r} not found (searched {bases})")
+
+
+class _GinSearchMisses:
+  """Drops gin's "Path not found" ERROR for each search path an include is not in (an include found in a
+  later one is no error; one found nowhere still fails the parse with gin's own message)."""
+
+  def filter(self, record) -> bool:
+    return not (record.pathname.endswith(os.path.join("gin", "resource_reader.py"))
+                and str(record.msg).startswith("Path not found"))
 
 
 def _is_macro(binding: str) -> bool:
@@ -67,13 +110,17 @@ def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str] = (),
     raise ValueError("no --gin_file given: pass e.g. --gin_file=configs/models/gpt_tiny.gin "
                      "--gin_file=configs/runs/pretrain.gin")
   register_all()
-  for path in list(search_paths) + [REPO_ROOT]:
+  for path in list(search_paths) + config_roots():  # also where `include 'configs/...'` lines resolve
     gin.add_config_file_search_path(path)
   files = [_resolve(f, search_paths) for f in gin_files]
+  probes = _GinSearchMisses()
+  std_logging.getLogger().addFilter(probes)
   try:
     gin.parse_config_files_and_bindings(files, None, finalize_config=False)
   except (ValueError, SyntaxError, KeyError, TypeError, IOError) as e:
-    raise ValueError(f"gin files {gin_files}: {first_line(e)}") from e
+    raise ValueError(f"gin files {gin_files}: {errors.first_line(e)}") from e
+  finally:
+    std_logging.getLogger().removeFilter(probes)
   for binding in gin_bindings:
     if "=" not in binding:
       raise ValueError(f"gin binding {binding!r} is not NAME=VALUE")
@@ -86,7 +133,7 @@ def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str] = (),
     try:
       gin.parse_config(binding)
     except (ValueError, SyntaxError, KeyError, TypeError) as e:
-      raise ValueError(f"gin binding {binding!r}: {first_line(e)}") from e
+      raise ValueError(f"gin binding {binding!r}: {errors.first_line(e)}") from e
   gin.finalize()
 
 
@@ -94,11 +141,6 @@ def parse_gin_flags() -> None:
   """parse_gin() from the absl flags defined by define_gin_flags()."""
   f = flags.FLAGS
   parse_gin(f.gin_file, f.gin_bindings, f.gin_search_paths)
-
-
-def first_line(error: BaseException) -> str:
-  text = str(error).strip() or type(error).__name__
-  return text.splitlines()[0] if "\n" in text else text
 
 
 def rewrite_gin_args(argv: Sequence[str]) -> list:
@@ -113,25 +155,32 @@ def rewrite_gin_args(argv: Sequence[str]) -> list:
 
 
 class _QuietLibraries:
-  """Drops INFO chatter from orbax (a dozen lines per checkpoint); warnings and errors still show."""
+  """Drops INFO chatter: orbax's (a dozen lines per checkpoint) and JAX's "Unable to initialize backend
+  'tpu'" that every start-up without a TPU logs. Warnings and errors still show (JAX warns when a TPU or
+  GPU is present but unusable), and a backend asked for by JAX_PLATFORMS raises instead."""
 
   def filter(self, record) -> bool:
-    return record.levelno >= 30 or "/orbax/" not in record.pathname
+    if record.levelno >= std_logging.WARNING:
+      return True
+    if "/orbax/" in record.pathname:
+      return False
+    return not (record.name.startswith("jax") and record.getMessage().startswith("Unable to initialize backend 'tpu'"))
 
 
 def run(main: Callable) -> None:
-  """absl app.run with --gin.X rewriting; a user error (bad file, key or value) exits 1 with a one-line
-  reason as the last line, not a traceback (set T5X_LIKE_TRACEBACK=1 to see it)."""
+  """absl app.run with --gin.X rewriting; a user error (bad file, key or value, a missing optional
+  dependency) exits 1 with a one-line reason, not a traceback (T5X_LIKE_TRACEBACK=1 raises it,
+  --verbosity=1 logs it)."""
 
   def wrapped(argv):
     logging.get_absl_handler().addFilter(_QuietLibraries())
     try:
       return main(argv)
-    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:  # OSError covers FileNotFoundError, PermissionError, ...
       if os.environ.get("T5X_LIKE_TRACEBACK"):
         raise
-      logging.error("%s", e, exc_info=True)
-      print(f"error: {first_line(e)}", file=sys.stderr, flush=True)
+      logging.debug("%s", e, exc_info=True)
+      print(f"error: {errors.first_line(e)}", file=sys.stderr, flush=True)
       if "jax" in sys.modules and sys.modules["jax"].distributed.is_initialized():
         os._exit(1)  # don't wait at the shutdown barrier for peers that may be stuck in a collective
       sys.exit(1)

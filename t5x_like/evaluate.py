@@ -11,12 +11,12 @@ from absl import flags  # pylint: disable=g-import-not-at-top
 from t5x_like import cli as gin_utils
 from t5x_like.model import decoder as model
 from t5x_like.training import optimizer
-from t5x_like.training import trainer
+from t5x_like.training import experiment
 
 gin_utils.define_gin_flags()
 flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the newest good one).")
 flags.DEFINE_string("split", "validation", "Split of DATA_DIR to evaluate on.")
-flags.DEFINE_integer("eval_batches", None, "Batches to evaluate (default: TrainConfig.eval_batches; "
+flags.DEFINE_integer("eval_batches", None, "Batches to evaluate (default: DataConfig.eval_batches; "
                      "0 = the whole split).")
 FLAGS = flags.FLAGS
 
@@ -25,12 +25,12 @@ def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments {argv[1:]}")
   gin_utils.parse_gin_flags()
-  config = gin_utils.configured(trainer.TrainConfig, "trainer")
+  config = gin_utils.train_config()
   if FLAGS.eval_batches is not None:
     if FLAGS.eval_batches < 0:
       raise ValueError(f"--eval_batches must be >= 0, got {FLAGS.eval_batches}")
-    config = dataclasses.replace(config, eval_batches=FLAGS.eval_batches)
-  exp = trainer.Experiment(config, gin_utils.configured(model.GPTConfig, "model"),
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, eval_batches=FLAGS.eval_batches))
+  exp = experiment.Experiment(config, gin_utils.configured(model.GPTConfig, "model"),
                            gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))
   result = exp.evaluate_checkpoint(FLAGS.step, FLAGS.split)
   print(f"step {result['step']}  {result['split']}  loss {result['eval/loss']:.6f}  "

@@ -15,7 +15,7 @@ from t5x_like.model import decoder as model
 from t5x_like.training import optimizer
 from t5x_like.model import decoding as sampling
 from t5x_like.data import tokenizer as tokenizer_lib
-from t5x_like.training import trainer
+from t5x_like.training import experiment
 
 FLAGS = flags.FLAGS
 
@@ -43,7 +43,7 @@ def main(argv):
       prompts += [line.rstrip("\n") for line in f if line.strip()]
   if not prompts:
     raise ValueError("no prompt: pass --prompt='...' (repeatable) or --prompt_file=FILE")
-  exp = trainer.Experiment(gin_utils.configured(trainer.TrainConfig, "trainer"),
+  exp = experiment.Experiment(gin_utils.train_config(),
                            gin_utils.configured(model.GPTConfig, "model"),
                            gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))
   tok = tokenizer_lib.Tokenizer.load(os.path.join(exp.config.data_dir, exp.manifest["tokenizer"]))

@@ -27,7 +27,7 @@ def main(argv):
   gin_utils.parse_gin_flags()
   distributed.initialize_from_flags()  # before anything touches devices
   try:
-    result = trainer.train(gin_utils.configured(trainer.TrainConfig, "trainer"),
+    result = trainer.train(gin_utils.train_config(),
                            gin_utils.configured(model.GPTConfig, "model"),
                            gin_utils.configured(optimizer.OptimizerConfig, "optimizer"),
                            gin_utils.configured(precision.PrecisionConfig, "precision"))

@@ -16,6 +16,7 @@ import pytest
 from t5x_like.model import layers
 from t5x_like.model import decoder as model_lib
 from t5x_like.training import step as train_step
+from t5x_like.training.objectives import language_model
 
 B, L, H, DH = 2, 16, 4, 8
 
@@ -67,8 +68,8 @@ def test_model_loss_and_grads_equal_across_attention_impls(dtype, rtol):
 
   def loss_and_grads(impl):
     apply_fn = model_lib.GPT(dataclasses.replace(cfg, attention_impl=impl)).apply
-    grads, loss_sum, weight_sum = jax.jit(
-        lambda p: train_step.accumulated_grads(p, apply_fn, batch, 1))(params)
+    grads, loss_sum, weight_sum, _ = jax.jit(lambda p: train_step.accumulated_grads(
+        language_model.LanguageModel(apply_fn).loss, p, batch, 1))(params)
     return loss_sum / weight_sum, grads
 
   ref_loss, ref_grads = loss_and_grads("reference")

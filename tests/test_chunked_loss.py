@@ -10,6 +10,7 @@ import pytest
 from t5x_like.model import decoder as model_lib
 from t5x_like.parallel import partitioning
 from t5x_like.training import step as train_step
+from t5x_like.training.objectives import language_model
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -27,7 +28,7 @@ def test_chunked_loss_and_grads_equal_full(tied):
   chunked = dict(logits_fn=functools.partial(model_lib.project_logits, config=cfg), loss_chunk=8)
 
   def loss(p, **kw):
-    total, weight = train_step.loss_sums(p, model.apply, batch, **kw)
+    total, weight, _ = language_model.LanguageModel(model.apply, **kw).loss(p, batch)
     return total / weight
 
   full_value, full_grad = jax.value_and_grad(loss)(params)

@@ -9,7 +9,6 @@ import pytest
 from t5x_like import cli as gin_utils
 from t5x_like.model import decoder as model
 from t5x_like.training import optimizer
-from t5x_like.training import trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = sorted(glob.glob(os.path.join(ROOT, "configs", "models", "*.gin")))
@@ -25,7 +24,7 @@ def clear_gin():
 
 
 def _build():
-  return (gin_utils.configured(trainer.TrainConfig, "trainer"), gin_utils.configured(model.GPTConfig, "model"),
+  return (gin_utils.train_config(), gin_utils.configured(model.GPTConfig, "model"),
           gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))
 
 
@@ -56,6 +55,23 @@ def test_contract_macros_override_from_the_command_line():
           run.seed, run.log_every, run.eval_every, run.checkpoint_every) == (
               "/tmp/m", "/tmp/d", 7, 4, 16, 2, 3, 2, 5, 6)
   assert run.mesh_shape == {"pipeline": 1, "data": 2, "fsdp": 2, "tensor": 2}
+
+
+def test_per_concern_configs_are_bound_under_their_own_names():
+  gin_utils.parse_gin(BASE, ["MODEL_DIR='/tmp/m'", "DATA_DIR='/tmp/d'", "checkpointing.CheckpointConfig.keep = 5",
+                             "data.DataConfig.eval_batches = 3", "fault_tolerance.FaultToleranceConfig.nonfinite_action = 'rollback'",
+                             "observe.ObserveConfig.prometheus_port = 9100", "trainer.TrainConfig.trainable = 'blocks/.*'"])
+  run, _, _ = _build()
+  assert (run.checkpoint.keep, run.data.eval_batches, run.fault_tolerance.nonfinite_action,
+          run.observe.prometheus_port, run.trainable) == (5, 3, "rollback", 9100, "blocks/.*")
+  assert run.data.data_streams == 1  # the default: batches never depend on the process count
+
+
+def test_bad_nested_value_is_refused_naming_the_key():
+  gin_utils.parse_gin(BASE, ["MODEL_DIR='/tmp/m'", "DATA_DIR='/tmp/d'",
+                             "fault_tolerance.FaultToleranceConfig.nonfinite_action = 'retry'"])
+  with pytest.raises(ValueError, match="FaultToleranceConfig.nonfinite_action must be 'stop' or 'rollback'"):
+    _build()
 
 
 def test_unknown_macro_binding_is_refused():

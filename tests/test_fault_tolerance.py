@@ -51,14 +51,16 @@ def data_dir(tmp_path_factory):
 # In-process: the non-finite guard and its policies.
 
 
-def _train(model_dir, data_dir, **overrides):
+def _train(model_dir, data_dir, fault_tolerance_overrides=(), **overrides):
   from t5x_like.model import decoder as model  # pylint: disable=g-import-not-at-top
   from t5x_like.training import optimizer  # pylint: disable=g-import-not-at-top
+  from t5x_like.training import config as config_lib  # pylint: disable=g-import-not-at-top
   from t5x_like.training import trainer  # pylint: disable=g-import-not-at-top
-  config = trainer.TrainConfig(model_dir=str(model_dir), data_dir=data_dir, train_steps=6, batch_size=8,
-                               seq_len=16, log_every=1, eval_every=0, eval_batches=1, checkpoint_every=2,
-                               shuffle_buffer=64, async_checkpoints=False)
-  config = dataclasses.replace(config, **overrides)
+  nested = {"fault_tolerance": config_lib.FaultToleranceConfig(**dict(fault_tolerance_overrides))}
+  config = config_lib.TrainConfig(model_dir=str(model_dir), data_dir=data_dir, train_steps=6, batch_size=8,
+                                  seq_len=16, log_every=1, eval_every=0, checkpoint_every=2,
+                                  data=config_lib.DataConfig(eval_batches=1, shuffle_buffer=64),
+                                  checkpoint=config_lib.CheckpointConfig(async_save=False), **nested, **overrides)
   model_config = model.GPTConfig(**{k.split(".")[-1]: v for k, v in TINY.items()})
   opt = optimizer.OptimizerConfig(learning_rate=1e-2, warmup_steps=0)
   return trainer.train(config, model_config, opt)
@@ -86,7 +88,7 @@ def test_nonfinite_streak_stops_with_a_clear_message(tmp_path):
   for step, flag in [(1, 0), (2, 1), (3, 1)]:
     assert not guard.after_step(step, {"nonfinite": flag})
   with pytest.raises(fault_tolerance.NonFiniteError, match=r"^2 consecutive non-finite steps ending at "
-                     r"step 3 \(TrainConfig.nonfinite_patience=2\): stopped; lower the learning rate") as info:
+                     r"step 3 \(FaultToleranceConfig.nonfinite_patience=2\): stopped; lower the learning rate") as info:
     guard.after_step(4, {"nonfinite": 0})
   assert info.value.exit_code == fault_tolerance.EXIT_NONFINITE == 65
 
@@ -96,8 +98,8 @@ def test_nan_batch_skipped_then_streak_rolls_back_and_skips_batches(tmp_path, da
   step 7, rolled back to the step-4 checkpoint, and 5..8 rerun on the batches after the bad ones."""
   caplog.set_level(logging.WARNING, logger="absl")
   model_dir = tmp_path / "run"
-  _train(model_dir, data_dir, train_steps=8, checkpoint_every=4, debug_nan_steps=(2, 5, 6),
-         nonfinite_patience=2, nonfinite_action="rollback")
+  _train(model_dir, data_dir, train_steps=8, checkpoint_every=4,
+         fault_tolerance_overrides=dict(debug_nan_steps=(2, 5, 6), nonfinite_patience=2, nonfinite_action="rollback"))
   records = _records(model_dir)
   assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 5, 6, 7, 8]
   assert [r["nonfinite_steps"] for r in records] == [0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0]
@@ -119,7 +121,7 @@ def _launch(model_dir, data_dir, cache_dir, steps=STEPS):
           f"--gin.DATA_DIR='{data_dir}'", f"--gin.TRAIN_STEPS={steps}", "--gin.LOG_EVERY=1",
           "--gin.EVAL_EVERY=0", "--gin.CHECKPOINT_EVERY=4", "--gin.BATCH_SIZE=8", "--gin.SEQ_LEN=16",
           "--gin.MESH_SHAPE={'pipeline': 1, 'data': 2, 'fsdp': 1, 'tensor': 1}",
-          "--gin.trainer.TrainConfig.eval_batches=1", "--gin.trainer.TrainConfig.shuffle_buffer=64",
+          "--gin.data.DataConfig.eval_batches=1", "--gin.data.DataConfig.shuffle_buffer=64",
           "--gin.optimizer.OptimizerConfig.warmup_steps=5"]
   args += [f"--gin.{k}={v}" for k, v in TINY.items()]
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",

@@ -22,7 +22,8 @@ from t5x_like.model import decoder as model_lib
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.data import preprocessing as preprocess
 from t5x_like.model import decoding as sampling
-from t5x_like.training import trainer
+from t5x_like.training import config as config_lib
+from t5x_like.training import experiment
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,8 +74,8 @@ def run(tmp_path_factory):
   port = free_port()
   cmd = [sys.executable, "-m", "t5x_like.train", *gin_args(model_dir, data_dir),
          f"--gin.TRAIN_STEPS={STEPS}", f"--gin.LOG_EVERY={LOG_EVERY}", f"--gin.EVAL_EVERY={EVAL_EVERY}",
-         f"--gin.CHECKPOINT_EVERY={STEPS}", f"--gin.trainer.TrainConfig.prometheus_port={port}",
-         f"--gin.trainer.TrainConfig.profile_steps={PROFILE}"]
+         f"--gin.CHECKPOINT_EVERY={STEPS}", f"--gin.observe.ObserveConfig.prometheus_port={port}",
+         f"--gin.observe.ObserveConfig.profile_steps={PROFILE}"]
   scrapes = []
   with open(root / "train.log", "w") as log:
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -181,10 +182,10 @@ def test_infer_cli_prints_a_continuation_of_each_prompt(run):
 
 
 def test_generate_on_the_training_mesh_matches_one_device(run):
-  config = trainer.TrainConfig(model_dir=run["model_dir"], data_dir=run["data_dir"], batch_size=BATCH,
+  config = config_lib.TrainConfig(model_dir=run["model_dir"], data_dir=run["data_dir"], batch_size=BATCH,
                                seq_len=SEQ, mesh_shape=eval(MESH))  # pylint: disable=eval-used
   tiny = model_lib.GPTConfig(num_layers=4, num_heads=4, d_model=128, d_ff=512, max_len=512, dtype="float32")
-  exp = trainer.Experiment(config, tiny, optimizer_lib.OptimizerConfig())
+  exp = experiment.Experiment(config, tiny, optimizer_lib.OptimizerConfig())
   tokens, segments = sampling.left_pad([[5, 6, 7, 8, 9], [10, 11, 12]])
   kwargs = dict(config=exp.model_config, max_new_tokens=10)
   with exp.context():

@@ -24,6 +24,7 @@ from t5x_like.training import optimizer
 from t5x_like.parallel import partitioning
 from t5x_like.training import train_state
 from t5x_like.training import step as train_step
+from t5x_like.training.objectives import language_model
 
 CFG = model_lib.GPTConfig(vocab_size=256, max_len=32, num_layers=4, num_heads=8, d_model=64, d_ff=256,
                           dtype="float32")
@@ -77,7 +78,7 @@ def train(initial, mesh_shape: dict, *, num_microbatches: int = 1, remat: str = 
     state = jax.device_put(initial, shardings)
     batch_sharding = partitioning.batch_sharding(mesh, RULES)
     batch = {k: jax.device_put(v, batch_sharding) for k, v in synthetic_batch().items()}
-    step = jax.jit(functools.partial(train_step.train_step, apply_fn=model.apply, tx=tx, lr_fn=lr_fn,
+    step = jax.jit(functools.partial(train_step.train_step, objective=language_model.LanguageModel(model.apply), tx=tx, lr_fn=lr_fn,
                                      num_microbatches=num_microbatches),
                    in_shardings=(shardings, {k: batch_sharding for k in batch}),
                    out_shardings=(shardings, None))
@@ -173,7 +174,7 @@ def test_cross_entropy_is_vocab_parallel(initial_state):
   mesh, _, model, _, _ = make_layout({"tensor": 8})
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
     _, shardings = train_state.state_shardings(model, optimizer.make_optimizer(OPT, 10), mesh, RULES)
-    loss = jax.jit(lambda p, b: train_step.loss_sums(p, model.apply, b), in_shardings=(shardings.params, None))
+    loss = jax.jit(lambda p, b: language_model.LanguageModel(model.apply).loss(p, b)[:2], in_shardings=(shardings.params, None))
     hlo = loss.lower(initial_state.params, synthetic_batch()).compile().as_text()
   assert f"[{BATCH},{SEQ},{CFG.vocab_size // 8}]" in hlo
   assert f"[{BATCH},{SEQ},{CFG.vocab_size}]" not in hlo
@@ -181,7 +182,7 @@ def test_cross_entropy_is_vocab_parallel(initial_state):
 
 def loss_grads(cfg: model_lib.GPTConfig, params) -> list:
   batch = synthetic_batch()
-  grad = jax.jit(jax.grad(lambda p: train_step.loss_sums(p, model_lib.GPT(cfg).apply, batch)[0]))
+  grad = jax.jit(jax.grad(lambda p: language_model.LanguageModel(model_lib.GPT(cfg).apply).loss(p, batch)[0]))
   return [np.asarray(g) for g in jax.tree.leaves(grad(params))]
 
 
@@ -235,12 +236,16 @@ def test_offload_is_refused_where_the_backend_has_no_host_memory(monkeypatch):
 
 
 def test_trainer_validate_layout_applies_the_model_checks():
-  from t5x_like.training import trainer  # pylint: disable=g-import-not-at-top  (imports TensorFlow)
+  from t5x_like.training import config as config_lib  # pylint: disable=g-import-not-at-top
+  from t5x_like.training import experiment  # pylint: disable=g-import-not-at-top  (imports TensorFlow)
   mesh = mesh_lib.create_mesh({"tensor": 8})
-  config = trainer.TrainConfig(batch_size=BATCH, mesh_shape={"tensor": 8})
-  trainer.validate_layout(config, mesh, CFG)
+  config = config_lib.TrainConfig(batch_size=BATCH, mesh_shape={"tensor": 8})
+  experiment.validate_layout(config, mesh, CFG)
   with pytest.raises(ValueError, match="GPTConfig.num_heads=4 is not divisible by MESH_SHAPE"):
-    trainer.validate_layout(config, mesh, dataclasses.replace(CFG, num_heads=4))
+    experiment.validate_layout(config, mesh, dataclasses.replace(CFG, num_heads=4))
+  rules = tuple((name, None if name == "heads" else target) for name, target in partitioning.DEFAULT_RULES)
+  experiment.validate_layout(dataclasses.replace(config, axis_rules=rules), mesh,  # the rules in use decide:
+                             dataclasses.replace(CFG, num_heads=4))  # heads unsharded → no constraint
 
 
 @pytest.mark.parametrize("shape, granules, within, across", [

@@ -20,6 +20,7 @@ from t5x_like.training import optimizer
 from t5x_like.training import precision
 from t5x_like.training import train_state
 from t5x_like.training import step as train_step
+from t5x_like.training.objectives import language_model
 
 CFG = model_lib.GPTConfig(vocab_size=256, max_len=32, num_layers=2, num_heads=4, d_model=64, d_ff=256,
                           dtype="float32")
@@ -54,7 +55,7 @@ def run_steps(dtype: str, precision_config=None, steps: int = STEPS, state=None,
   cfg = dataclasses.replace(CFG, dtype=dtype)
   model, tx, lr_fn, initial = make_state(cfg, precision_config)
   state = initial if state is None else state
-  step = jax.jit(functools.partial(train_step.train_step, apply_fn=model.apply, tx=tx, lr_fn=lr_fn,
+  step = jax.jit(functools.partial(train_step.train_step, objective=language_model.LanguageModel(model.apply), tx=tx, lr_fn=lr_fn,
                                    precision_config=precision_config))
   history = []
   for i in range(first_batch, first_batch + steps):
@@ -122,7 +123,7 @@ def test_overflow_skips_the_update_and_halves_the_scale():
   config = precision.PrecisionConfig(loss_scaling="dynamic", initial_scale=3e38, growth_interval=2)
   cfg = dataclasses.replace(CFG, dtype="float16")
   model, tx, lr_fn, state = make_state(cfg, config)
-  step = jax.jit(functools.partial(train_step.train_step, apply_fn=model.apply, tx=tx, lr_fn=lr_fn,
+  step = jax.jit(functools.partial(train_step.train_step, objective=language_model.LanguageModel(model.apply), tx=tx, lr_fn=lr_fn,
                                    precision_config=config))
   new, metrics = step(state, synthetic_batch())
   assert int(metrics["overflow"]) == 1 and int(metrics["nonfinite"]) == 0 and np.isfinite(metrics["loss"])
@@ -150,7 +151,7 @@ def test_poisoned_loss_counts_as_nonfinite_under_loss_scaling():
   model, tx, lr_fn, state = make_state(cfg, config)
   batch = synthetic_batch()
   batch["weights"] = np.full_like(batch["weights"], np.nan)
-  new, metrics = jax.jit(functools.partial(train_step.train_step, apply_fn=model.apply, tx=tx, lr_fn=lr_fn,
+  new, metrics = jax.jit(functools.partial(train_step.train_step, objective=language_model.LanguageModel(model.apply), tx=tx, lr_fn=lr_fn,
                                            precision_config=config))(state, batch)
   assert int(metrics["nonfinite"]) == 1
   jax.tree.map(np.testing.assert_array_equal, new.params, state.params)

@@ -14,6 +14,7 @@ from t5x_like.data import input_pipeline
 from t5x_like.model import decoder as model_lib
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.data import preprocessing as preprocess
+from t5x_like.training import config as config_lib
 from t5x_like.training import trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,11 +48,12 @@ def run_config(model_dir, data_dir, **overrides):
   base = dict(model_dir=model_dir, data_dir=data_dir, train_steps=80, batch_size=8, seq_len=32, seed=0,
               log_every=10, eval_every=40, checkpoint_every=40, mesh_shape={"data": -1})
   base.update(overrides)
-  return trainer.TrainConfig(**base)
+  return config_lib.TrainConfig(**base)
 
 
 def test_tiny_model_learns_far_below_unigram_baseline(dataset, tmp_path):
-  result = trainer.train(run_config(str(tmp_path / "run"), dataset, report_unigram_baseline=True), TINY, OPT)
+  result = trainer.train(run_config(str(tmp_path / "run"), dataset,
+                                           data=config_lib.DataConfig(report_unigram_baseline=True)), TINY, OPT)
   baseline = input_pipeline.unigram_baseline(dataset)
   assert result["eval/unigram_baseline"] == baseline
   assert result["eval/loss"] < 0.6 * baseline, (result["eval/loss"], baseline)

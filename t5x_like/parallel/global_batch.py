@@ -4,6 +4,7 @@ from typing import Callable, Mapping
 
 import jax
 import numpy as np
+import tensorflow as tf
 
 
 def to_global(local_batch: Mapping[str, np.ndarray], sharding: jax.sharding.NamedSharding) -> dict:
@@ -26,29 +27,32 @@ def process_rows(make_stream: Callable[..., "tf.data.Dataset"], *, num_streams: 
   """This process's rows of each global batch, drawn from `num_streams` independent data streams.
 
   Stream s reads the data shards dealt to reader s of `num_streams` and supplies rows
-  [s·B/S, (s+1)·B/S) of every global batch. Process p owns streams [p·S/P, (p+1)·S/P), and
-  `to_global` stacks processes in order, so the global batch depends on S only: 1 process × 4 devices
-  and 2 processes × 2 devices train on identical batches when they use the same S.
+  [s·B/S, (s+1)·B/S) of every global batch; process p keeps rows [p·B/P, (p+1)·B/P) and `to_global`
+  stacks processes in order. So the global batch depends on S alone: 1 process × 4 devices and
+  2 processes × 2 devices train on identical batches with the same S. When P divides S each process
+  reads only its own S/P streams; otherwise (e.g. S = 1) it reads every stream its rows fall in and
+  keeps its slice: the same batches, at the cost of reading more than its share.
 
   Args:
     make_stream: (stream_index, num_streams, batch_size) → tf.data.Dataset of row dicts.
-    num_streams: S, a multiple of the process count that divides the global batch.
-    global_batch_size: B, rows per global batch.
+    num_streams: S, dividing the global batch (DataConfig.data_streams).
+    global_batch_size: B, rows per global batch; divisible by P.
     process_index, process_count: this process, of P.
   """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
-  if num_streams % process_count:
-    raise ValueError(f"data streams={num_streams} is not a multiple of the {process_count} processes "
-                     f"(TrainConfig.data_streams)")
   if global_batch_size % num_streams:
     raise ValueError(f"BATCH_SIZE={global_batch_size} is not divisible by {num_streams} data streams "
-                     f"(TrainConfig.data_streams)")
-  per_process = num_streams // process_count
-  rows = global_batch_size // num_streams
-  streams = [make_stream(stream_index=s, num_streams=num_streams, batch_size=rows)
-             for s in range(process_index * per_process, (process_index + 1) * per_process)]
-  if len(streams) == 1:
-    return streams[0]
-  return tf.data.Dataset.zip(tuple(streams)).map(
+                     f"(DataConfig.data_streams)")
+  if global_batch_size % process_count:
+    raise ValueError(f"BATCH_SIZE={global_batch_size} is not divisible by {process_count} processes")
+  per_stream = global_batch_size // num_streams
+  lo = process_index * (global_batch_size // process_count)
+  hi = lo + global_batch_size // process_count
+  first, last = lo // per_stream, (hi - 1) // per_stream  # the streams holding rows lo..hi-1
+  streams = [make_stream(stream_index=s, num_streams=num_streams, batch_size=per_stream)
+             for s in range(first, last + 1)]
+  ds = streams[0] if len(streams) == 1 else tf.data.Dataset.zip(tuple(streams)).map(
       lambda *parts: {key: tf.concat([part[key] for part in parts], axis=0) for key in parts[0]})
+  start, stop = lo - first * per_stream, hi - first * per_stream
+  if (start, stop) == (0, per_stream * len(streams)):
+    return ds
+  return ds.map(lambda batch: {key: value[start:stop] for key, value in batch.items()})

@@ -8,7 +8,8 @@ updated values back: XLA schedules these as batched host↔device copies overlap
 and backward pass, with no Python round trip per leaf. Per step that moves 8 (12) bytes/parameter each
 way over PCIe/host links; a 124M model on PCIe 5 (~50 GB/s) pays ≈ 20 ms each way.
 
-XLA:CPU has no 'pinned_host' memory space: there `check_supported` raises up front with the reason.
+The CPU backend (jax ≥ 0.10) has a 'pinned_host' memory space too, so the offloaded step runs (and is
+tested) on CPU; a backend without one is refused up front by `check_supported`, with the reason.
 """
 
 from typing import Any, Callable
@@ -23,11 +24,11 @@ def supported(device=None) -> bool:
   return HOST in {memory.kind for memory in device.addressable_memories()}
 
 
-def check_supported(setting: str = "TrainConfig.offload_optimizer") -> None:
-  """Raises ValueError naming `setting` when the default backend cannot hold arrays in pinned host memory."""
-  if not supported():
-    device = jax.devices()[0]
-    raise ValueError(f"{setting}=True needs a '{HOST}' memory space (GPU or TPU); the "
+def check_supported(setting: str = "TrainConfig.offload_optimizer", device=None) -> None:
+  """Raises ValueError naming `setting` when `device` (default: the first one) has no pinned host memory."""
+  device = device or jax.devices()[0]
+  if not supported(device):
+    raise ValueError(f"{setting}=True needs a '{HOST}' memory space (GPU, TPU, or CPU with jax >= 0.10); the "
                      f"{device.platform} backend has only "
                      f"{sorted({m.kind for m in device.addressable_memories()})}: set it to False")
 
@@ -52,10 +53,10 @@ def with_device_opt_state(step_fn: Callable, state_shardings: Any) -> Callable:
   def on_device(tree, shardings):
     return jax.device_put(tree, _with_kind(shardings, DEVICE))
 
-  def wrapped(state, batch):
+  def wrapped(state, *args):  # (state, batch[, frozen])
     moved = state.replace(opt_state=on_device(state.opt_state, state_shardings.opt_state))
     if any(s.memory_kind == HOST for s in jax.tree.leaves(state_shardings.params)):
       moved = moved.replace(params=on_device(state.params, state_shardings.params))
-    return step_fn(moved, batch)
+    return step_fn(moved, *args)
 
   return wrapped

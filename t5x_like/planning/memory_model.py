@@ -13,16 +13,19 @@ from typing import Optional
 
 import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
-from jax._src.ad_checkpoint import saved_residuals  # public as jax.ad_checkpoint.print_saved_residuals
 
 from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.model import config as config_lib
 from t5x_like.model import decoder as model_lib
 from t5x_like.parallel import partitioning
+from t5x_like.parallel import offload
 from t5x_like.training import optimizer
+from t5x_like.training import precision
 from t5x_like.training import step as train_step
 from t5x_like.training import train_state
+from t5x_like.training.objectives import language_model
 
 # Calibration: least-squares fit of XLA:CPU's compiled memory analysis over 12 layouts (data, fsdp,
 # tensor, accumulation, every remat policy); tests/test_plan.py checks fresh shapes stay within 15%.
@@ -139,6 +142,27 @@ def _trace_rows(cfg: model_lib.GPTConfig, seq_len: int) -> int:
   return next(p for p in (7, 11, 13, 17, 19, 23, 29, 31) if p not in taken)
 
 
+def _saved_residuals(f, *args) -> list:
+  """Avals of what JAX saves for `f`'s backward pass, `f`'s own arguments left out (they are counted as
+  state and inputs): the public-API form of `jax.ad_checkpoint.print_saved_residuals`' list."""
+  leaves, tree = jax.tree.flatten(args)
+  closed, shapes = jax.make_jaxpr(lambda *xs: jax.vjp(lambda *a: f(*jax.tree.unflatten(tree, a)), *xs),
+                                  return_shape=True)(*leaves)
+  jaxpr = closed.jaxpr
+  num_residuals = len(jax.tree.leaves(shapes[1]))  # the vjp function's leaves are the residuals
+  through = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns if e.primitive.name == "reduce_precision"}
+  arguments, seen, out = set(jaxpr.invars), set(), []
+  for v in jaxpr.outvars[len(jaxpr.outvars) - num_residuals:]:
+    if isinstance(v, jax.extend.core.Literal):
+      out.append(v.aval)
+      continue
+    v = through.get(v, v)
+    if v not in arguments and v not in seen:
+      seen.add(v)
+      out.append(v.aval)
+  return out
+
+
 @functools.lru_cache(maxsize=64)
 def residual_profile(cfg: model_lib.GPTConfig, seq_len: int) -> ResidualProfile:
   """Traces the loss's vjp abstractly (no FLOPs, no memory) and sorts its residuals.
@@ -152,12 +176,10 @@ def residual_profile(cfg: model_lib.GPTConfig, seq_len: int) -> ResidualProfile:
   batch = {k: jax.ShapeDtypeStruct((rows, seq_len), jnp.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
   batch["weights"] = jax.ShapeDtypeStruct((rows, seq_len), jnp.float32)
   gpt = model_lib.GPT(cfg)
-  residuals = saved_residuals(lambda p, b: train_step.loss_sums(p, gpt.apply, b)[0], params, batch)
+  residuals = _saved_residuals(lambda p, b: language_model.LanguageModel(gpt.apply).loss(p, b)[0], params, batch)
   split_dims = {cfg.num_heads, cfg.d_ff, cfg.vocab_size}
   out = dict(layer=0.0, layer_tensor=0.0, head=0.0, head_tensor=0.0, weights=0.0)
-  for aval, source in residuals:
-    if "from the argument" in source:
-      continue  # parameters and batch: counted as state and inputs
+  for aval in residuals:
     nbytes = aval.size * aval.dtype.itemsize
     shape = aval.shape
     if len(shape) >= 2 and shape[0] == cfg.num_layers and shape[1] == rows:
@@ -214,8 +236,12 @@ def _per_layer(cfg: model_lib.GPTConfig, seq_len: int, tensor: int) -> float:
 
 
 def compile_train_step(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int, seq_len: int,
-                       devices=None, rules=partitioning.DEFAULT_RULES):
-  """AOT-compiles the real train step (trainer's shardings and donation) for abstract inputs.
+                       devices=None, rules=partitioning.DEFAULT_RULES, *,
+                       optimizer_config: Optional[optimizer.OptimizerConfig] = None,
+                       precision_config: Optional[precision.PrecisionConfig] = None, loss_chunk: int = 0,
+                       offload_optimizer: bool = False):
+  """AOT-compiles the trainer's train step (step.make_train_step + step.jit_train_step: the same
+  objective, loss options, precision, shardings, donation and optimizer offload) for abstract inputs.
 
   Needs `layout.num_devices` devices (on CPU: `jax_num_cpu_devices` / XLA_FLAGS set before jax starts).
   Returns the `jax.stages.Compiled`; nothing is allocated.
@@ -229,20 +255,26 @@ def compile_train_step(cfg: model_lib.GPTConfig, layout: Layout, global_batch: i
   config_lib.check_layout(cfg, layout.mesh_shape, rules, batch_size=global_batch,
                           num_microbatches=layout.num_microbatches)
   model = model_lib.GPT(cfg)
-  opt_config = optimizer.OptimizerConfig()
-  tx = optimizer.make_optimizer(opt_config, 1000)
-  lr_fn = optimizer.learning_rate_schedule(opt_config, 1000)
+  optimizer_config = optimizer_config or optimizer.OptimizerConfig()
+  precision_config = precision_config or precision.PrecisionConfig()
+  tx = optimizer.make_optimizer(optimizer_config, 1000)
+  lr_fn = optimizer.learning_rate_schedule(optimizer_config, 1000)
+  objective = language_model.LanguageModel(model.apply, loss_chunk=loss_chunk,
+                                           logits_fn=lambda p, h: model_lib.project_logits(p, h, cfg))
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    abstract_state, state_shardings = train_state.state_shardings(model, tx, mesh, rules)
+    loss_scale = precision.init_loss_scale(precision_config, cfg.dtype)
+    abstract_state, state_shardings = train_state.state_shardings(model, tx, mesh, rules, loss_scale=loss_scale)
+    if offload_optimizer:
+      state_shardings = offload.offload_shardings(state_shardings)
     batch_sharding = partitioning.batch_sharding(mesh, rules)
-    keys = ("inputs", "targets", "segment_ids", "positions", "weights")
     batch = {k: jax.ShapeDtypeStruct((global_batch, seq_len), jnp.float32 if k == "weights" else jnp.int32,
-                                     sharding=batch_sharding) for k in keys}
-    step = functools.partial(train_step.train_step, apply_fn=model.apply, tx=tx, lr_fn=lr_fn,
-                             num_microbatches=layout.num_microbatches)
-    jitted = jax.jit(step, in_shardings=(state_shardings, {k: batch_sharding for k in keys}),
-                     out_shardings=(state_shardings, None), donate_argnums=(0,))
-    return jitted.lower(abstract_state, batch).compile()
+                                     sharding=batch_sharding) for k in objective.features}
+    step = train_step.make_train_step(objective, tx, lr_fn, num_microbatches=layout.num_microbatches,
+                                      precision_config=precision_config)
+    if offload_optimizer:
+      step = offload.with_device_opt_state(step, state_shardings)
+    jitted = train_step.jit_train_step(step, state_shardings, batch_sharding, objective.features)
+    return jitted.lower(abstract_state, batch, {}).compile()
 
 
 def xla_bytes_per_device(memory_analysis) -> float:

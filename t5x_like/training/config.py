@@ -1,0 +1,87 @@
+"""A training run's configuration: the run itself, plus one frozen dataclass per concern.
+
+Gin binds each class under its own name (`trainer.TrainConfig`, `data.DataConfig`,
+`checkpointing.CheckpointConfig`, `fault_tolerance.FaultToleranceConfig`, `observe.ObserveConfig`);
+`cli.train_config()` builds the nested ones and puts them into the TrainConfig. The run macros of
+DESIGN.md (MODEL_DIR, DATA_DIR, TRAIN_STEPS, BATCH_SIZE, SEQ_LEN, NUM_MICROBATCHES, MESH_SHAPE, SEED,
+LOG_EVERY, EVAL_EVERY, CHECKPOINT_EVERY) stay on TrainConfig, where configs/runs/pretrain.gin binds them.
+"""
+
+import dataclasses
+from typing import Mapping, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """How the training and evaluation batches are read."""
+  shuffle_buffer: int = 1024  # rows permuted together in the training stream
+  # Readers the global batch is drawn from. The batches depend on this number only, never on the
+  # process count: 1 (default) → identical batches on any number of hosts, each host reading the
+  # whole stream and keeping its rows; a multiple of the host count (e.g. 32) → each host reads only
+  # its own streams. 0 = one stream per process (batches then change with the process count).
+  data_streams: int = 1
+  eval_batches: int = 0  # validation batches per evaluation; 0 = the whole validation split
+  report_unigram_baseline: bool = False  # with the final eval, log the context-free unigram loss to beat
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """Which checkpoints are written and kept, and where a fresh run takes its first parameters from."""
+  keep: int = 3  # newest checkpoints kept
+  keep_period: int = 0  # also keep every checkpoint whose step is a multiple of this; 0 = none
+  async_save: bool = True  # write checkpoints in the background while training continues
+  warm_start_from: str = ""  # another run's MODEL_DIR or checkpoints/<step>: initial params when MODEL_DIR has none
+  warm_start_optimizer: bool = False  # also take its optimizer state (same optimizer); False = fresh, step 0
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultToleranceConfig:
+  """What a run does about failed saves and non-finite steps."""
+  max_failed_saves: int = 2  # consecutive failed checkpoint saves tolerated; one more stops the run (exit 74)
+  nonfinite_patience: int = 5  # consecutive non-finite steps (each skipped) that trigger nonfinite_action; 0 = never
+  nonfinite_action: str = "stop"  # 'stop' (exit 65) or 'rollback' (to the last checkpoint, skipping the batches since)
+  debug_nan_steps: tuple = ()  # fault injection for tests and drills: steps (1-based) whose batch gets NaN weights
+
+
+@dataclasses.dataclass(frozen=True)
+class ObserveConfig:
+  """Live figures and traces beyond metrics.jsonl / TensorBoard."""
+  prometheus_port: int = 0  # serve the logged figures at http://prometheus_host:PORT/metrics; 0 = off
+  prometheus_host: str = "127.0.0.1"  # address the Prometheus endpoint binds; '0.0.0.0' exposes it
+  profile_steps: Optional[tuple] = None  # (first, last): jax.profiler trace of these steps to MODEL_DIR/profile
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """One training run: where, what data, how long, how big, how it is laid out; one config per concern."""
+  model_dir: str = ""  # run directory: config.gin, checkpoints/, events, metrics.jsonl (MODEL_DIR)
+  data_dir: str = ""  # prepared dataset: manifest.json, shards, tokenizer.model (DATA_DIR)
+  train_steps: int = 1000  # optimizer steps to reach (TRAIN_STEPS)
+  batch_size: int = 32  # global sequences per optimizer step (BATCH_SIZE)
+  seq_len: int = 256  # tokens per sequence (SEQ_LEN)
+  num_microbatches: int = 1  # gradient-accumulation microbatches per step (NUM_MICROBATCHES)
+  mesh_shape: Mapping[str, int] = dataclasses.field(
+      default_factory=lambda: {"pipeline": 1, "data": -1, "fsdp": 1, "tensor": 1})  # MESH_SHAPE
+  seed: int = 0  # parameter init and data order (SEED)
+  log_every: int = 10  # steps between metric records (LOG_EVERY)
+  eval_every: int = 200  # steps between validation passes; 0 = only at the end (EVAL_EVERY)
+  checkpoint_every: int = 200  # steps between checkpoints; one is always written at the end (CHECKPOINT_EVERY)
+  loss_chunk: int = 0  # >0: loss over sequence chunks of this many positions, never the full (B,L,V) logits
+  trainable: str = ".*"  # regex over parameter paths ('blocks/attn/qkv/kernel'); others are frozen, no optimizer state
+  axis_rules: Optional[tuple] = None  # logical→mesh rules; None = partitioning.DEFAULT_RULES
+  offload_optimizer: bool = False  # ZeRO-Offload: AdamW state in pinned host memory
+  data: DataConfig = DataConfig()  # built from data.DataConfig bindings by cli.train_config()
+  checkpoint: CheckpointConfig = CheckpointConfig()  # checkpointing.CheckpointConfig
+  fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()  # fault_tolerance.FaultToleranceConfig
+  observe: ObserveConfig = ObserveConfig()  # observe.ObserveConfig
+
+  def __post_init__(self):
+    if self.fault_tolerance.nonfinite_action not in ("stop", "rollback"):
+      raise ValueError(f"FaultToleranceConfig.nonfinite_action must be 'stop' or 'rollback', "
+                       f"got {self.fault_tolerance.nonfinite_action!r}")
+    for key in ("train_steps", "batch_size", "seq_len", "num_microbatches", "log_every"):
+      if getattr(self, key) < 1:
+        raise ValueError(f"TrainConfig.{key} must be >= 1, got {getattr(self, key)}")
+    for key in ("eval_every", "checkpoint_every"):
+      if getattr(self, key) < 0:
+        raise ValueError(f"TrainConfig.{key} must be >= 0, got {getattr(self, key)}")

@@ -1,0 +1,229 @@
+"""The pieces a run, an evaluation or a sampler need, built once under the mesh and the axis rules.
+
+mesh → resolved model config → layout check → sharded abstract state → objective → jitted steps;
+plus the data streams, evaluation over the objective, and frozen models on the same mesh.
+"""
+
+import contextlib
+import dataclasses
+import math
+from typing import Optional
+
+import flax.linen as nn
+import jax
+
+from t5x_like.data import input_pipeline
+from t5x_like.model import config as config_lib
+from t5x_like.model import decoder as model_lib
+from t5x_like.observe import metrics as metrics_lib
+from t5x_like.parallel import global_batch
+from t5x_like.parallel import mesh as mesh_lib
+from t5x_like.parallel import offload
+from t5x_like.parallel import partitioning
+from t5x_like.training import checkpointing
+from t5x_like.training import optimizer as optimizer_lib
+from t5x_like.training import precision
+from t5x_like.training import step as step_lib
+from t5x_like.training import train_state as train_state_lib
+from t5x_like.training import trainable as trainable_lib
+from t5x_like.training.config import TrainConfig
+from t5x_like.training.objectives import language_model
+
+
+def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
+  return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def resolve_model_config(model_config: model_lib.GPTConfig, manifest: dict, mesh, seq_len: int):
+  """Fills the dataset's vocabulary and the mesh's stage count into the model config, then validates."""
+  vocab = model_config.vocab_size or padded_vocab_size(manifest["vocab_size"])
+  if vocab < manifest["vocab_size"]:
+    raise ValueError(f"GPTConfig.vocab_size={vocab} is smaller than the dataset's tokenizer "
+                     f"({manifest['vocab_size']} pieces)")
+  cfg = dataclasses.replace(model_config, vocab_size=vocab, num_stages=mesh.shape["pipeline"])
+  cfg.validate()
+  if seq_len > cfg.max_len:
+    raise ValueError(f"SEQ_LEN={seq_len} is larger than the model's max_len={cfg.max_len} "
+                     f"(GPTConfig.max_len)")
+  return cfg
+
+
+def validate_layout(config: TrainConfig, mesh, model_config: model_lib.GPTConfig) -> None:
+  """Errors a user can act on, raised before anything compiles: the one layout validator under the
+  rules in use, and the batch over the processes."""
+  if config.batch_size % jax.process_count():
+    raise ValueError(f"BATCH_SIZE={config.batch_size} is not divisible by {jax.process_count()} processes")
+  config_lib.check_layout(model_config, mesh.shape, config.axis_rules, batch_size=config.batch_size,
+                          num_microbatches=config.num_microbatches)
+
+
+class Experiment:
+  """A run's mesh, model, objective, optimizer and shardings, built once."""
+
+  def __init__(self, config: TrainConfig, model_config: model_lib.GPTConfig,
+               optimizer_config: optimizer_lib.OptimizerConfig,
+               precision_config: Optional[precision.PrecisionConfig] = None):
+    self.config = config
+    self.precision_config = precision_config or precision.PrecisionConfig()
+    self.manifest = input_pipeline.load_manifest(config.data_dir)
+    self.mesh = mesh_lib.create_mesh(config.mesh_shape)
+    self.model_config = resolve_model_config(model_config, self.manifest, self.mesh, config.seq_len)
+    validate_layout(config, self.mesh, self.model_config)  # before anything compiles
+    self.rules = tuple(config.axis_rules or partitioning.DEFAULT_RULES)
+    self.model = model_lib.GPT(self.model_config)
+    self.objective = language_model.LanguageModel(
+        apply_fn=self.model.apply, loss_chunk=config.loss_chunk,
+        logits_fn=lambda params, hidden: model_lib.project_logits(params, hidden, self.model_config))
+    self.lr_fn = optimizer_lib.learning_rate_schedule(optimizer_config, config.train_steps)
+    self.tx = optimizer_lib.make_optimizer(optimizer_config, config.train_steps)
+    self.batch_sharding = partitioning.batch_sharding(self.mesh, self.rules)
+    with self.context():
+      self.abstract_state, self.state_shardings = train_state_lib.state_shardings(
+          self.model, self.tx, self.mesh, self.rules, loss_scale=self.initial_loss_scale(),
+          trainable=config.trainable)
+    self.trainable_paths = trainable_lib.trainable_paths(self.abstract_state.params, config.trainable)
+    if config.offload_optimizer:
+      self.state_shardings = offload.offload_shardings(self.state_shardings)
+    self.frozen, self.frozen_shardings = {}, {}
+
+  def context(self):
+    """Mesh + logical rules: entered before any trace, or sharding constraints silently vanish."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.set_mesh(self.mesh))
+    stack.enter_context(nn.logical_axis_rules(self.rules))
+    return stack
+
+  def initial_loss_scale(self):
+    """The dynamic loss-scale state a fresh TrainState starts with (None without loss scaling)."""
+    return precision.init_loss_scale(self.precision_config, self.model_config.dtype)
+
+  def init_state(self):
+    with self.context():
+      state, _ = train_state_lib.init_state(self.model, self.tx, jax.random.key(self.config.seed), self.mesh,
+                                            self.rules, loss_scale=self.initial_loss_scale(),
+                                            trainable=self.config.trainable)
+    return jax.device_put(state, self.state_shardings)  # a no-op unless the optimizer state is offloaded
+
+  def abstract_with_shardings(self):
+    """The TrainState's ShapeDtypeStructs carrying this run's shardings (restore/reshard target)."""
+    return checkpointing.abstract_with_shardings(self.abstract_state, self.state_shardings)
+
+  def add_frozen(self, name: str, path: str, model_config: Optional[model_lib.GPTConfig] = None):
+    """Restores a frozen model (a reference or a teacher: parameters only, no optimizer state) from a
+    MODEL_DIR or a `checkpoints/<step>` directory onto this mesh, laid out by the same rules table.
+
+    `model_config` (default: this run's model) may differ, e.g. a larger teacher; its vocabulary must
+    equal this run's. The parameters reach the objective as `frozen[name]`.
+    """
+    cfg = model_config or self.model_config
+    if cfg.vocab_size and cfg.vocab_size != self.model_config.vocab_size:
+      raise ValueError(f"frozen model {name!r} at {path}: vocab_size={cfg.vocab_size} differs from this "
+                       f"run's {self.model_config.vocab_size} (the same tokenizer is required)")
+    cfg = dataclasses.replace(cfg, vocab_size=self.model_config.vocab_size, num_stages=self.model_config.num_stages)
+    with self.context():
+      boxed = jax.eval_shape(lambda: model_lib.GPT(cfg).init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))
+      shardings = partitioning.shardings_from_boxed(boxed["params"], self.mesh, self.rules)
+      abstract = checkpointing.abstract_with_shardings(partitioning.unbox(boxed["params"]), shardings)
+      _, params = checkpointing.restore_newest_params(path, abstract)
+    self.frozen[name], self.frozen_shardings[name] = params, shardings
+    return params
+
+  def dataset(self, split: str, *, shuffle: bool, repeat: bool):
+    """This process's rows of every global batch (see global_batch.process_rows)."""
+    num_streams = self.config.data.data_streams or jax.process_count()
+    for s in range(num_streams):
+      shards, _ = input_pipeline.host_shards(self.manifest, self.config.data_dir, split, s, num_streams)
+      if not sum(records for _, records in shards):
+        raise ValueError(f"DATA_DIR '{self.config.data_dir}' split '{split}' has too few records for "
+                         f"{num_streams} data streams: stream {s} would read nothing (lower "
+                         f"DataConfig.data_streams or write more shards)")
+
+    def stream(stream_index, num_streams, batch_size):
+      return input_pipeline.make_dataset(
+          self.config.data_dir, split, batch_size=batch_size, seq_len=self.config.seq_len,
+          seed=self.config.seed, shuffle=shuffle, repeat=repeat, shuffle_buffer=self.config.data.shuffle_buffer,
+          process_index=stream_index, process_count=num_streams)
+    return global_batch.process_rows(stream, num_streams=num_streams, global_batch_size=self.config.batch_size,
+                                     process_index=jax.process_index(), process_count=jax.process_count())
+
+  def eval_dataset(self, split: str = "validation", repeat: bool = True):
+    """Evaluation batches, identical on any process layout (and the same count on every process): each
+    process reads the whole (small) split in one fixed order and keeps its own rows of each global batch."""
+    rows = self.config.batch_size // jax.process_count()
+    first = jax.process_index() * rows
+    ds = input_pipeline.make_dataset(self.config.data_dir, split, batch_size=self.config.batch_size,
+                                     seq_len=self.config.seq_len, seed=self.config.seed, shuffle=False,
+                                     repeat=repeat, process_index=0, process_count=1)
+    return ds.map(lambda batch: {key: value[first:first + rows] for key, value in batch.items()})
+
+  def train_step_fn(self):
+    """The pure step of this run (before jit): the objective under the generic step."""
+    step = step_lib.make_train_step(self.objective, self.tx, self.lr_fn,
+                                    num_microbatches=self.config.num_microbatches,
+                                    precision_config=self.precision_config, trainable_paths=self.trainable_paths)
+    if self.config.offload_optimizer:
+      step = offload.with_device_opt_state(step, self.state_shardings)
+    return step
+
+  def jit_train_step(self):
+    """jit once: state donated, batch and frozen models on their shardings. Call as step(state, batch, frozen)."""
+    return step_lib.jit_train_step(self.train_step_fn(), self.state_shardings, self.batch_sharding,
+                                   self.objective.features, self.frozen_shardings)
+
+  def jit_eval_step(self):
+    return jax.jit(lambda params, batch, frozen: step_lib.eval_step(params, batch, frozen, objective=self.objective),
+                   in_shardings=(self.state_shardings.params, {k: self.batch_sharding for k in self.objective.features},
+                                 self.frozen_shardings))
+
+  def num_eval_batches(self, split: str = "validation") -> Optional[int]:
+    """DataConfig.eval_batches, else None (one pass over the split) on one process; several processes
+    need the same count everywhere, so they use the split's tokens over the tokens per batch."""
+    if self.config.data.eval_batches:
+      return self.config.data.eval_batches
+    if jax.process_count() == 1:
+      return None
+    tokens = self.manifest["splits"][split]["num_tokens"]
+    return max(1, tokens // (self.config.batch_size * (self.config.seq_len + 1)))
+
+  def global_batch(self, local: dict) -> dict:
+    """This process's rows (numpy) → the objective's features as global jax.Arrays on the batch sharding."""
+    return global_batch.to_global({k: local[k] for k in self.objective.features}, self.batch_sharding)
+
+  def evaluate(self, params, eval_step=None, split: str = "validation") -> dict:
+    """The objective's weighted loss over `split` (the whole split, or DataConfig.eval_batches batches;
+    the same batches every time), its perplexity exp(loss), and the objective's metrics."""
+    eval_step = eval_step or self.jit_eval_step()
+    num_batches = self.num_eval_batches(split)
+    batches = self.eval_dataset(split, repeat=num_batches is not None)
+    if num_batches is not None:
+      batches = batches.take(num_batches)
+    loss_sum, weight_sum, count, metric_sums = 0.0, 0.0, 0, {}
+    with self.context():
+      for tf_batch in batches:  # padding rows of the last batch carry weight 0
+        batch = self.global_batch(global_batch.tf_to_numpy(tf_batch))
+        loss, weight, metrics = eval_step(params, batch, self.frozen)
+        loss_sum, weight_sum, count = loss_sum + float(loss), weight_sum + float(weight), count + 1
+        for name, value in metrics.items():
+          metric_sums[name] = metric_sums.get(name, 0.0) + float(value)
+    denom = max(weight_sum, 1.0)
+    loss = loss_sum / denom
+    return {"eval/loss": loss, "eval/perplexity": metrics_lib.perplexity(loss), "eval/tokens": weight_sum,
+            "eval/batches": count, **{f"eval/{name}": value / denom for name, value in metric_sums.items()}}
+
+  def restore_params(self, step: Optional[int] = None):
+    """(step, params) of MODEL_DIR's newest readable checkpoint (or `step`), on this mesh; no optimizer state."""
+    abstract = self.abstract_with_shardings().params
+    return checkpointing.restore_newest_params(self.config.model_dir, abstract, step)
+
+  def evaluate_checkpoint(self, step: Optional[int] = None, split: str = "validation") -> dict:
+    """Restores a checkpoint onto this mesh and evaluates it on `split` of DATA_DIR.
+
+    Returns:
+      {"step", "split", "eval/loss", "eval/perplexity", "eval/tokens", "eval/batches"}.
+    """
+    if split not in self.manifest["splits"]:
+      raise ValueError(f"DATA_DIR '{self.config.data_dir}' has no split '{split}' "
+                       f"(available: {sorted(self.manifest['splits'])})")
+    with self.context():
+      found, params = self.restore_params(step)
+    return {"step": int(found), "split": split, **self.evaluate(params, split=split)}
