@@ -38,7 +38,7 @@ def train_args(model_dir, data_dir, steps, extra=()):
           "--gin_file=configs/runs/pretrain.gin", f"--gin.MODEL_DIR='{model_dir}'", f"--gin.DATA_DIR='{data_dir}'",
           f"--gin.TRAIN_STEPS={steps}", "--gin.BATCH_SIZE=8", "--gin.SEQ_LEN=32", "--gin.LOG_EVERY=1",
           "--gin.EVAL_EVERY=0", "--gin.CHECKPOINT_EVERY=2", "--gin.model.GPTConfig.num_layers=2",
-          "--gin.model.GPTConfig.dtype='float32'", "--gin.data.DataConfig.data_streams=2",
+          "--gin.model.GPTConfig.dtype='float32'",  # DataConfig.data_streams: the default (1)
           "--gin.data.DataConfig.eval_batches=2", "--gin.optimizer.OptimizerConfig.warmup_steps=2",
           "--gin.optimizer.OptimizerConfig.decay='constant'", *extra]  # schedule independent of TRAIN_STEPS
 
