@@ -2,7 +2,9 @@
 
 Prints each module's line count and t5x_like imports, then the checks tests/test_imports.py enforces:
 no import cycle, no t5x_like import inside a function, no `jax._src`, nothing imports an entry point,
-and subpackages import only the layers below them.
+and subpackages import only the layers below them. Root-level modules other than the entry points and
+cli.py (`t5x_like/errors.py`, `t5x_like/files.py`) are helpers every layer may import; they import no
+other layer.
 """
 
 import ast
@@ -11,8 +13,9 @@ import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "t5x_like")
 ENTRY_POINTS = {"train", "preprocess", "infer", "evaluate", "convert", "checkpoints", "plot", "plan"}
-# What each layer may import (besides itself and the package root).
+# What each layer may import (besides itself and the root-level helpers).
 ALLOWED = {
+    "root": set(),
     "parallel": set(),
     "data": {"parallel"},
     "model": {"parallel"},
@@ -63,10 +66,15 @@ def scan(path: str, known) -> tuple:
 
 
 def layer(module: str) -> str:
+  """'entry', 'cli', a subpackage name, or 'root' for the package and its root-level helper modules."""
   parts = module.split(".")
   if len(parts) == 1:
     return "root"
-  return "entry" if parts[1] in ENTRY_POINTS and len(parts) == 2 else parts[1]
+  if len(parts) == 2 and parts[1] in ENTRY_POINTS:
+    return "entry"
+  if len(parts) == 2 and parts[1] != "cli" and not os.path.isdir(os.path.join(ROOT, parts[1])):
+    return "root"
+  return parts[1]
 
 
 def graph() -> tuple:
