@@ -5,11 +5,15 @@ setuptools.setup(
     name="t5x_like",
     version="0.1.0",
     description="GPT-style language-model trainer on JAX/Flax with tf.data input and orbax checkpoints.",
-    packages=setuptools.find_packages(include=["t5x_like", "t5x_like.*"]),
-    package_data={"t5x_like": ["testdata/*"]},
-    python_requires=">=3.10",
+    # The gin configs stay in the top-level configs/ folder of the repository and are installed as the
+    # package t5x_like.configs, so `--gin_file=configs/...` resolves after a non-editable install too.
+    packages=setuptools.find_packages(include=["t5x_like", "t5x_like.*"]) + ["t5x_like.configs"],
+    package_dir={"t5x_like.configs": "configs"},
+    package_data={"t5x_like.configs": ["**/*.gin"]},
+    python_requires=">=3.11",
     # Lower bounds verified together on Python 3.11 (CPU): jax 0.10.2, flax 0.12.8, optax 0.2.8,
-    # orbax-checkpoint 0.12.8, tensorflow-cpu 2.21.0, clu 0.0.12, sentencepiece 0.2.3.
+    # orbax-checkpoint 0.12.8, tensorflow-cpu 2.21.0, clu 0.0.12, sentencepiece 0.2.3, etils 1.15.
+    # Exactly what t5x_like/ imports (tensorboard comes with tensorflow).
     install_requires=[
         "jax>=0.10.2",
         "flax>=0.12.8",
@@ -19,15 +23,15 @@ setuptools.setup(
         "sentencepiece>=0.2.0",
         "clu>=0.0.12",
         "gin-config>=0.5.0",
-        "tensorboard>=2.21.0",
         "absl-py>=2.1.0",
         "numpy>=2.0",
-        "matplotlib>=3.8",
-        "prometheus_client>=0.20",
+        "etils[epath]>=1.7",
     ],
     extras_require={
-        # apache-beam so CI runs the DirectRunner-equals-local-runner test too.
-        "test": ["pytest>=8.0", "apache-beam>=2.60"],
-        "beam": ["apache-beam>=2.60"],
+        "beam": ["apache-beam>=2.60"],  # preprocess --runner=direct|dataflow|...
+        "plot": ["matplotlib>=3.8"],  # python -m t5x_like.plot
+        "prometheus": ["prometheus_client>=0.20"],  # TrainConfig.prometheus_port > 0
+        # Everything the tests exercise, Beam included (the DirectRunner-equals-local-runner test).
+        "test": ["pytest>=8.0", "apache-beam>=2.60", "matplotlib>=3.8", "prometheus_client>=0.20"],
     },
 )

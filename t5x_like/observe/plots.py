@@ -5,12 +5,12 @@ import os
 
 from etils import epath
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; no display needed
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-
-
+try:  # optional: the extra t5x_like[plot]
+  import matplotlib
+  matplotlib.use("Agg")  # files only; no display needed
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+except ImportError:
+  plt = None
 
 PANELS = (  # (title, y label, [(metrics.jsonl key, line style, label suffix)])
     ("Loss", "loss (nats/token)", [("loss", "-", "train"), ("eval/loss", "o--", "validation")]),
@@ -58,7 +58,9 @@ def load_runs(model_dirs: list) -> dict:
 
 
 def plot_runs(runs: dict, out: str, dpi: int = 110) -> str:
-  """Draws every run into one figure of three panels (loss, lr, throughput) and writes a PNG."""
+  """Draws every run into one figure of three panels (loss, lr, throughput) and writes a PNG (local or gs://)."""
+  if plt is None:
+    raise ImportError("plotting needs matplotlib: pip install 't5x_like[plot]'")
   fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4), constrained_layout=True)
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   for i, (label, records) in enumerate(runs.items()):
@@ -76,7 +78,9 @@ def plot_runs(runs: dict, out: str, dpi: int = 110) -> str:
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
       ax.legend(fontsize="small")
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  fig.savefig(out, dpi=dpi, format="png")
+  path = epath.Path(out)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with path.open("wb") as f:
+    fig.savefig(f, dpi=dpi, format="png")
   plt.close(fig)
   return out

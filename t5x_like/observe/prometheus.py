@@ -1,11 +1,15 @@
-"""Optional Prometheus endpoint: the figures of each log step as gauges at http://HOST:PORT/metrics."""
+"""Optional Prometheus endpoint (extra `t5x_like[prometheus]`): each log step's figures as gauges at http://HOST:PORT/metrics."""
 
 import threading
 from typing import Mapping
 
 from absl import logging
-import prometheus_client
-from prometheus_client.core import GaugeMetricFamily
+
+try:
+  import prometheus_client
+  from prometheus_client.core import GaugeMetricFamily
+except ImportError:  # optional: only a run that asks for a Prometheus port needs it
+  prometheus_client = None
 
 # gauge name → (help text, key in the logged scalars). Names follow Prometheus conventions (base units).
 GAUGES = {
@@ -47,6 +51,9 @@ class PrometheusExporter:
   """
 
   def __init__(self, port: int, host: str = "127.0.0.1"):
+    if prometheus_client is None:
+      raise ImportError(f"observe.ObserveConfig.prometheus_port={port} needs prometheus_client: "
+                        "pip install 't5x_like[prometheus]' (or set prometheus_port = 0)")
     self._lock = threading.Lock()
     self._values = {}
     self.registry = prometheus_client.CollectorRegistry()
