@@ -1,38 +1,34 @@
-"""`python -m t5x_like.checkpoints list|digest|inspect MODEL_DIR [--step N]`: look into a run's checkpoints."""
+"""`python -m t5x_like.checkpoints list|digest|inspect MODEL_DIR [--step N]`: look into a run's checkpoints.
 
-import argparse
-import json
-import os
-import sys
-
-import jax
-import numpy as np
-
-from t5x_like.training import checkpointing as checkpoints
-
-USAGE = """python -m t5x_like.checkpoints COMMAND MODEL_DIR [--step N]
-
-commands:
-  list      committed steps (with their recorded step, mesh and code version), unfinished saves,
+  list      committed steps (with their recorded mesh and code version), unfinished saves,
             and steps moved aside as unreadable
   digest    SHA-256 over all parameter bytes (names, dtypes, shapes, bytes; sorted by name; independent
             of the sharding); the digest is the last line
   inspect   every saved array of the train state: path, shape, dtype, saved sharding; then the metadata
+
+MODEL_DIR may be local or gs://.
 """
 
+import json
+import os
 
-def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="python -m t5x_like.checkpoints", usage=USAGE,
-                                   description=__doc__.split(":", 1)[1].strip())
-  parser.add_argument("command", choices=("list", "digest", "inspect"))
-  parser.add_argument("model_dir", help="run directory (holds checkpoints/)")
-  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
-  return parser
+from absl import flags
+from absl import logging
+from etils import epath
+import jax
+import numpy as np
+
+from t5x_like import cli
+from t5x_like.training import checkpointing as checkpoints
+
+flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest committed one).")
+FLAGS = flags.FLAGS
+USAGE = "python -m t5x_like.checkpoints list|digest|inspect MODEL_DIR [--step N]"
 
 
 def cmd_list(model_dir: str, step=None) -> None:
   directory = checkpoints.checkpoint_dir(model_dir)
-  if not os.path.isdir(directory):
+  if not epath.Path(directory).is_dir():
     raise FileNotFoundError(f"no checkpoints/ directory in MODEL_DIR '{model_dir}'")
   steps = checkpoints.committed_steps(model_dir)
   for s in steps if step is None else [s for s in steps if s == step]:
@@ -44,12 +40,11 @@ def cmd_list(model_dir: str, step=None) -> None:
     except Exception as e:  # pylint: disable=broad-except  # a corrupt item: say so, keep listing
       info = f"UNREADABLE metadata ({type(e).__name__})"
     print(f"step {s}: {info}")
-  for name in sorted(os.listdir(directory)):
-    if ".orbax-checkpoint-tmp" in name:
-      print(f"unfinished save (ignored, removed on the next run): {name}")
-  corrupt = os.path.join(model_dir, checkpoints.CORRUPT_DIR)
-  for name in sorted(os.listdir(corrupt)) if os.path.isdir(corrupt) else []:
-    print(f"moved aside as unreadable: {os.path.join(corrupt, name)}")
+  for tmp in checkpoints.unfinished_saves(directory):
+    print(f"unfinished save (ignored, removed on the next run): {tmp.name}")
+  corrupt = epath.Path(model_dir) / checkpoints.CORRUPT_DIR
+  for path in sorted(corrupt.iterdir(), key=lambda p: p.name) if corrupt.is_dir() else []:
+    print(f"moved aside as unreadable: {path}")
   print(f"{len(steps)} committed step(s): {steps}")
 
 
@@ -80,27 +75,29 @@ def cmd_inspect(model_dir: str, step=None) -> None:
     print(gin_config.rstrip())
 
 
-def main(argv) -> int:
-  args = _parser().parse_args(argv)
-  if not os.path.isdir(args.model_dir):
-    raise FileNotFoundError(f"MODEL_DIR '{args.model_dir}' does not exist")
-  {"list": cmd_list, "digest": cmd_digest, "inspect": cmd_inspect}[args.command](args.model_dir, args.step)
-  return 0
+COMMANDS = {"list": cmd_list, "digest": cmd_digest, "inspect": cmd_inspect}
+
+
+def look(command: str, model_dir: str, step=None) -> None:
+  """Runs one command on MODEL_DIR (what the CLI does after parsing its flags)."""
+  if command not in COMMANDS:
+    raise ValueError(f"unknown command {command!r}: expected one of {sorted(COMMANDS)} ({USAGE})")
+  if not epath.Path(model_dir).is_dir():
+    raise FileNotFoundError(f"MODEL_DIR '{model_dir}' does not exist")
+  COMMANDS[command](model_dir, step)
+
+
+def main(argv) -> None:
+  logging.set_verbosity(logging.ERROR)  # orbax warns about optional files it does not find
+  if len(argv) != 3:
+    raise ValueError(f"expected COMMAND MODEL_DIR, got {argv[1:]}: {USAGE}")
+  look(argv[1], argv[2], FLAGS.step)
 
 
 def run() -> None:
   """Entry point: a user error prints one line and exits 1 (T5X_LIKE_TRACEBACK=1 shows the traceback)."""
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-  from absl import logging  # pylint: disable=g-import-not-at-top
-  logging.set_verbosity(logging.ERROR)  # orbax warns about optional files it does not find
-  try:
-    sys.exit(main(sys.argv[1:]))
-  except (ValueError, KeyError, OSError) as e:
-    if os.environ.get("T5X_LIKE_TRACEBACK"):
-      raise
-    text = str(e).strip().splitlines()
-    print(f"error: {text[0] if text else type(e).__name__}", file=sys.stderr, flush=True)
-    sys.exit(1)
+  cli.run(main)
 
 
 if __name__ == "__main__":

@@ -214,10 +214,10 @@ def test_cli_list_inspect_digest_and_errors(tmp_path, capsys, monkeypatch):
   manager = checkpoints.make_manager(str(tmp_path), async_save=False)
   checkpoints.save(manager, 4, state, metadata=checkpoints.run_metadata(
       mesh_shape=DATA8, data_dir="", gin_config="x = 1", step=4))
-  assert checkpoints_cli.main(["list", str(tmp_path)]) == 0
+  checkpoints_cli.look("list", str(tmp_path))
   out = capsys.readouterr().out
   assert "step 4: mesh={'pipeline': 1, 'data': 8, 'fsdp': 1, 'tensor': 1}" in out and "[4]" in out
-  assert checkpoints_cli.main(["inspect", str(tmp_path), "--step", "4"]) == 0
+  checkpoints_cli.look("inspect", str(tmp_path), step=4)
   out = capsys.readouterr().out
   assert "params/blocks/mlp_in/kernel" in out and "(2, 32, 64)" in out and "'fsdp', 'tensor'" in out
   assert '"code_version": "0.1.0' in out

@@ -11,6 +11,9 @@ from typing import Optional
 from absl import flags
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
+
+from t5x_like import errors
 
 # Environment variables that mean "a cluster launched us" and that jax.distributed can read by itself.
 _AUTO_DETECT_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
@@ -79,7 +82,7 @@ def _exit_hard_on_uncaught_exceptions() -> None:
 
   def hook(exc_type, exc, tb):
     traceback.print_exception(exc_type, exc, tb)
-    reason = f"{exc_type.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    reason = errors.first_line(exc, with_type=True)
     missing = missing_processes(_HEARTBEAT_TIMEOUT[0]) if "JaxRuntimeError" in exc_type.__name__ else []
     if missing:
       reason = f"process(es) {missing} stopped responding ({reason})"
@@ -93,18 +96,27 @@ def _exit_hard_on_uncaught_exceptions() -> None:
 _HEARTBEAT_TIMEOUT = [100]
 
 
+def live_processes() -> set:
+  """Process ids the coordination service sees alive (`multihost_utils.live_devices`, jax >= 0.7)."""
+  alive, failed = set(), set()
+  try:
+    with multihost_utils.live_devices(jax.devices()) as devices:
+      alive = {d.process_index for d in devices}
+  except multihost_utils.ProcessFailureError as e:  # died since the previous query
+    failed = {d.process_index for d in e.failed_devices}
+  return alive - failed
+
+
 def missing_processes(wait_seconds: float) -> list:
   """Process ids the coordination service no longer sees alive, waiting up to `wait_seconds` for it to
   notice (a collective usually fails on a closed connection before the heartbeat times out)."""
-  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
-  client = jax_distributed.global_state.client
-  if client is None:
+  if not jax.distributed.is_initialized() or not hasattr(multihost_utils, "live_devices"):
     return []
   everyone = list(range(jax.process_count()))
   deadline = time.time() + wait_seconds
   while True:
     try:
-      live = client.get_live_nodes(everyone)
+      live = live_processes()
     except Exception:  # pylint: disable=broad-except  # the coordinator itself may be gone
       return [0] if jax.process_index() != 0 else []
     missing = [p for p in everyone if p not in live]

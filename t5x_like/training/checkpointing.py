@@ -1,13 +1,13 @@
 """orbax CheckpointManager over MODEL_DIR/checkpoints: train state, per-process data-iterator state, metadata.
 
-Also `python -m t5x_like.checkpoints list|digest|inspect MODEL_DIR [--step N]` (see checkpoints_cli.py).
+Every file operation on MODEL_DIR goes through orbax, etils.epath or tf.io.gfile, so it may be gs://.
+`python -m t5x_like.checkpoints list|digest|inspect MODEL_DIR [--step N]` looks into one (checkpoints.py).
 """
 
 import dataclasses
 import functools
 import hashlib
 import os
-import shutil
 import subprocess
 import time
 from typing import Any, Optional
@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 import tensorflow as tf
 
 import t5x_like
+from t5x_like import errors
 from t5x_like.data import input_pipeline
 
 STATE, DATA_ITER, METADATA = "state", "data_iter", "metadata"
@@ -109,12 +110,6 @@ def abstract_with_shardings(abstract_state, shardings):
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
 
 
-def error_line(e: BaseException) -> str:
-  """"ValueError: first line of the message" (orbax errors run to pages)."""
-  text = str(e).strip()
-  return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
-
-
 def restore_latest(manager: ocp.CheckpointManager, abstract_state, iterator=None, step=None,
                    quarantine: bool = False):
   """Restores the newest step that reads back whole (or exactly `step`), falling back to older ones.
@@ -144,7 +139,7 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state, iterator=None
       restored = manager.restore(candidate, args=ocp.args.Composite(**items))
     except Exception as e:  # pylint: disable=broad-except  # orbax surfaces corruption as many types
       logging.warning("checkpoint step %d in %s is unreadable (%s); trying an older one",
-                      candidate, manager.directory, error_line(e))
+                      candidate, manager.directory, errors.first_line(e, with_type=True))
       bad.append(candidate)
       last_error = e
       continue
@@ -158,7 +153,7 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state, iterator=None
   if bad:
     raise NoUsableCheckpointError(
         f"{manager.directory} holds checkpoint step(s) {bad} but none restores with this configuration "
-        f"(last error {error_line(last_error)}): use another MODEL_DIR, or fix the model/mesh config")
+        f"(last error {errors.first_line(last_error, with_type=True)}): use another MODEL_DIR, or fix the model/mesh config")
   return None, None, None
 
 
@@ -166,14 +161,14 @@ def quarantine_step(manager: ocp.CheckpointManager, step: int) -> Optional[str]:
   """Moves an unreadable step to MODEL_DIR/checkpoints.corrupt/<step>-<unix time> (process 0) and reloads."""
   target = None
   if jax.process_index() == 0:
-    source = os.path.join(os.fspath(manager.directory), str(step))
-    target = os.path.join(os.path.dirname(os.fspath(manager.directory)), CORRUPT_DIR,
-                          f"{step}-{int(time.time())}")
+    source = epath.Path(manager.directory) / str(step)
+    target = source.parent.parent / CORRUPT_DIR / f"{step}-{int(time.time())}"
     try:
-      os.makedirs(os.path.dirname(target), exist_ok=True)
-      shutil.move(source, target)
+      target.parent.mkdir(parents=True, exist_ok=True)
+      source.rename(target)
       logging.warning("moved unreadable checkpoint step %d to %s", step, target)
-    except OSError as e:
+      target = os.fspath(target)
+    except (OSError, tf.errors.OpError) as e:
       logging.error("could not move unreadable checkpoint %s aside: %s", source, e)
       target = None
   _sync("quarantine")
@@ -182,13 +177,23 @@ def quarantine_step(manager: ocp.CheckpointManager, step: int) -> Optional[str]:
 
 
 def remove_tmp_dirs(manager: ocp.CheckpointManager, step: Optional[int] = None) -> None:
-  """Deletes leftovers of failed saves (`<step>.orbax-checkpoint-tmp*`), freeing the space they hold."""
+  """Deletes leftovers of failed saves, freeing the space they hold: what orbax calls a temporary step
+  (`<step>.orbax-checkpoint-tmp*` locally; on GCS a step directory without its commit file)."""
   if jax.process_index() == 0:
-    directory = os.fspath(manager.directory)
-    for name in os.listdir(directory) if os.path.isdir(directory) else []:
-      if ".orbax-checkpoint-tmp" in name and (step is None or name.split(".")[0] == str(step)):
-        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    for tmp in unfinished_saves(os.fspath(manager.directory)):
+      if step is None or ocp.utils.step_from_checkpoint_name(tmp.name) == step:
+        try:
+          tmp.rmtree(missing_ok=True)
+        except (OSError, tf.errors.OpError) as e:
+          logging.error("could not delete the unfinished checkpoint %s: %s", tmp, e)
   _sync("remove_tmp")
+
+
+def unfinished_saves(directory: str) -> list:
+  """Paths of the temporary (uncommitted) step directories orbax left in `directory` (MODEL_DIR/checkpoints)."""
+  if not tf.io.gfile.isdir(directory):
+    return []
+  return sorted((t.get() for t in ocp.utils.tmp_checkpoints(directory)), key=lambda p: p.name)
 
 
 def _sync(name: str) -> None:
@@ -253,11 +258,9 @@ def step_dir(model_dir: str, step: Optional[int] = None) -> tuple:
 
 
 def committed_steps(model_dir: str) -> list:
-  """Steps whose directories orbax finished (a killed save leaves only `<step>.orbax-checkpoint-tmp*`)."""
-  directory = checkpoint_dir(model_dir)
-  if not tf.io.gfile.isdir(directory):
-    return []
-  return sorted(int(n) for n in tf.io.gfile.listdir(directory) if n.rstrip("/").isdigit())
+  """Steps orbax finalised, by orbax's own test: locally a killed save leaves only
+  `<step>.orbax-checkpoint-tmp*`; on GCS a half-written `<step>/` has no commit file and is left out."""
+  return sorted(ocp.utils.checkpoint_steps(checkpoint_dir(model_dir)))
 
 
 def state_tree_metadata(path: str):
@@ -280,9 +283,12 @@ def restore_params(model_dir: str, step: Optional[int] = None, abstract_params=N
   Returns:
     (step, params) or (step, params, opt_state) when `with_opt_state_of` is given.
   """
-  if os.path.basename(os.path.dirname(os.path.normpath(model_dir))) == "checkpoints":
-    step = int(os.path.basename(os.path.normpath(model_dir)))
-    model_dir = os.path.dirname(os.path.dirname(os.path.normpath(model_dir)))
+  path = epath.Path(model_dir)
+  if path.parent.name == "checkpoints":  # MODEL_DIR/checkpoints/<step>
+    if not path.name.isdigit():
+      raise ValueError(f"{model_dir}: a path inside checkpoints/ must name a step directory, e.g. "
+                       f"{path.parent}/1000")
+    step, model_dir = int(path.name), os.fspath(path.parent.parent)
   step, path = step_dir(model_dir, step)
   if abstract_params is None:
     abstract_params = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), state_tree_metadata(path)["params"])
@@ -314,7 +320,8 @@ def restore_newest_params(model_dir: str, abstract_params, step: Optional[int] =
     except FileNotFoundError:
       raise
     except Exception as e:  # pylint: disable=broad-except  # orbax surfaces corruption as many types
-      logging.warning("checkpoint step %d is unreadable (%s); trying an older one", candidate, error_line(e))
+      logging.warning("checkpoint step %d is unreadable (%s); trying an older one", candidate,
+                      errors.first_line(e, with_type=True))
   raise FileNotFoundError(f"no readable checkpoint in {checkpoint_dir(model_dir)}"
                           + (f" at step {step}" if step is not None else ""))
 

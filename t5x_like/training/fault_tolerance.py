@@ -11,9 +11,12 @@ import threading
 from typing import Optional
 
 from absl import logging
+from etils import epath
 import jax
 import numpy as np
+import tensorflow as tf
 
+from t5x_like import errors
 from t5x_like.training import checkpointing as checkpoints
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint was written at the signal's step; relaunch to resume
@@ -41,17 +44,20 @@ class NonFiniteError(RunStopped):
 
 def check_writable(model_dir: str) -> None:
   """Fails before any compute when MODEL_DIR cannot take a checkpoint (read-only, full, not a dir)."""
-  probe = os.path.join(model_dir, f".write_probe.{os.getpid()}")
+  directory = epath.Path(model_dir)  # local or gs://
+  probe = directory / f".write_probe.{os.getpid()}"
   try:
-    os.makedirs(model_dir, exist_ok=True)
-    with open(probe, "wb") as f:
+    directory.mkdir(parents=True, exist_ok=True)
+    with probe.open("wb") as f:
       f.write(b"\0" * 4096)
       f.flush()
-      os.fsync(f.fileno())
-    os.remove(probe)
-  except OSError as e:
+      if hasattr(f, "fileno"):  # a local file: a full disk shows at fsync, not at write
+        os.fsync(f.fileno())
+    probe.unlink()
+  except (OSError, tf.errors.OpError) as e:
     reason = {errno.ENOSPC: "the disk is full", errno.EROFS: "it is on a read-only file system",
-              errno.EACCES: "permission denied", errno.EPERM: "operation not permitted"}.get(e.errno, e.strerror)
+              errno.EACCES: "permission denied", errno.EPERM: "operation not permitted"}.get(
+                  getattr(e, "errno", None), getattr(e, "strerror", None) or errors.first_line(e))
     raise CheckpointSaveError(
         f"MODEL_DIR '{model_dir}' is not writable ({reason}): no checkpoint could be saved. Checkpoints "
         f"already there are untouched; free space or fix permissions and relaunch") from e
@@ -102,11 +108,8 @@ class PreemptionWatcher:
 
 
 def _jax_preemption_available() -> bool:
-  try:
-    from jax._src import distributed  # pylint: disable=g-import-not-at-top
-    return distributed.global_state.preemption_sync_manager is not None
-  except (ImportError, AttributeError):
-    return False
+  """jax.distributed starts its preemption notifier with the service when this config is on (the default)."""
+  return jax.distributed.is_initialized() and bool(jax.config.jax_enable_preemption_service)
 
 
 class NonFiniteMonitor:
@@ -186,12 +189,12 @@ class Saver:
     self.manager.reload()
     checkpoints.remove_tmp_dirs(self.manager, step)
     logging.error("checkpoint save at step %s FAILED (%s, %d in a row); the newest committed checkpoint "
-                  "is step %s in %s", step, checkpoints.error_line(error), self.failures,
+                  "is step %s in %s", step, errors.first_line(error, with_type=True), self.failures,
                   self.manager.latest_step(), self.manager.directory)
     if self.failures > self.max_failures:
       raise CheckpointSaveError(
           f"{self.failures} checkpoint saves in a row failed, the last at step {step} "
-          f"({checkpoints.error_line(error)}); stopped. The newest committed checkpoint is step "
+          f"({errors.first_line(error, with_type=True)}); stopped. The newest committed checkpoint is step "
           f"{self.manager.latest_step()} in {self.manager.directory}: free space or fix permissions, "
           "then relaunch to resume from it") from error
 
