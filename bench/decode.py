@@ -46,9 +46,9 @@ def main():
   prompts = np.random.RandomState(0).randint(4, args.vocab_size, (args.batch, args.prompt_len)).astype(np.int32)
   segments = np.ones_like(prompts)
 
-  cached_s, cached = timed(lambda: sampling.generate(params, prompts, segments, jax.random.key(0), config=cfg,
+  cached_seconds, cached = timed(lambda: sampling.generate(params, prompts, segments, jax.random.key(0), config=cfg,
                                                      max_new_tokens=args.new_tokens), args.repeats)
-  recompute_s, recomputed = timed(lambda: sampling.generate_by_recompute(params, prompts, config=cfg,
+  recompute_seconds, recomputed = timed(lambda: sampling.generate_by_recompute(params, prompts, config=cfg,
                                                                          max_new_tokens=args.new_tokens),
                                   max(1, args.repeats - 2))
   same = bool(np.array_equal(np.asarray(cached), np.asarray(recomputed)))
@@ -56,9 +56,9 @@ def main():
   print(f"device {jax.devices()[0].device_kind} ({jax.device_count()}); {model_lib.count_params(cfg):,} params; "
         f"batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.dtype}")
   print(f"{'method':<12} {'new tok/s':>12} {'ms/token step':>14}")
-  for name, seconds in (("kv_cache", cached_s), ("recompute", recompute_s)):
+  for name, seconds in (("kv_cache", cached_seconds), ("recompute", recompute_seconds)):
     print(f"{name:<12} {new / seconds:>12,.0f} {1e3 * seconds / args.new_tokens:>14.2f}")
-  print(f"speed-up {recompute_s / cached_s:.1f}x; identical greedy tokens: {same}")
+  print(f"speed-up {recompute_seconds / cached_seconds:.1f}x; identical greedy tokens: {same}")
   if not same:
     raise SystemExit("KV-cache and recompute decoding disagree")
 

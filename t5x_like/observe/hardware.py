@@ -1,4 +1,4 @@
-"""Accelerator catalogue (peak FLOP/s, memory, interconnect) as data, and a measured CPU matmul peak.
+"""Accelerator catalogue (peak FLOP/s, memory, interconnect) as data, and the CPU's theoretical peak.
 
 The catalogue is a plain dict of `Hardware` records. Add or override entries from a JSON file named
 by `$T5X_LIKE_HARDWARE` (read on import) or passed to `load_file` / `plan --hardware_file`:
@@ -12,19 +12,29 @@ along one mesh axis sees it (NVLink: half the bidirectional figure; InfiniBand: 
 TPU ICI: two links of one torus axis, one way). TPU hosts of one slice share ICI, so their
 `inter_host_bw` is the ICI figure too. `float32` peaks are what `jnp.dot` runs at by default:
 TF32 tensor cores on NVIDIA (XLA's default precision), one bfloat16 pass on TPU.
+
+A CPU's peak is its theoretical float32 figure from /proc/cpuinfo (cores XLA may use × clock × FLOPs
+per cycle of its widest FMA), not a matmul timed at start-up, which on a busy machine reads several
+times too low and inflates MFU. `$T5X_LIKE_CPU_PEAK_FLOPS` (FLOP/s of the whole machine) overrides it.
 """
 
 import dataclasses
 import functools
 import json
 import os
+import re
 import time
 from typing import Optional
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 
 _GiB = 2**30
+CPU_PEAK_ENV = "T5X_LIKE_CPU_PEAK_FLOPS"  # FLOP/s of the whole machine, overrides the /proc/cpuinfo figure
+# float32 FLOPs per cycle per core: FMA units × SIMD lanes × 2, for the widest extension the flags show.
+_FLOPS_PER_CYCLE = (("avx512f", 2 * 16 * 2), ("avx2+fma", 2 * 8 * 2), ("avx", 8 * 2), ("sse2", 4 * 2),
+                    ("asimd", 2 * 4 * 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +79,7 @@ CATALOGUE = {
     "tpu_v5p": _tpu("tpu_v5p", 459e12, 95, 100e9, 4, ["TPU v5p", "TPU v5"], "cloud.google.com/tpu/docs/v5p"),
     "cpu": Hardware(name="cpu", peak_flops={"bfloat16": None, "float16": None, "float32": None},
                     hbm_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), intra_host_bw=10e9, inter_host_bw=1.25e9, devices_per_host=8,
-                    device_kinds=("cpu",), source="peak measured by measure_matmul_peak; memory = host RAM"),
+                    device_kinds=("cpu",), source="peak from cpu_peak_flops (/proc/cpuinfo); memory = host RAM"),
 }
 ALIASES = {"a100": "a100-80gb", "h100-sxm": "h100", "v4": "tpu_v4", "v5e": "tpu_v5e", "v5p": "tpu_v5p",
            "v6e": "tpu_v6e", "tpu-v4": "tpu_v4", "tpu-v5e": "tpu_v5e", "tpu-v5p": "tpu_v5p", "tpu-v6e": "tpu_v6e"}
@@ -146,18 +156,65 @@ def measure_matmul_peak(dtype: str = "float32", size: int = 1024, seconds: float
       return best
 
 
+def cpu_peak_from_cpuinfo(cpuinfo: str, usable_cpus: set) -> tuple:
+  """(float32 FLOP/s, how) of the cores in `usable_cpus` described by /proc/cpuinfo text; (None, why) if
+  it lacks a figure. Hyper-threads of one core share its FMA units: physical cores are counted."""
+  blocks = [dict(re.findall(r"^([^\t:\n]+?)\s*:\s*(.*)$", b, re.M)) for b in cpuinfo.strip().split("\n\n")]
+  blocks = [b for b in blocks if "processor" in b and int(b["processor"]) in usable_cpus]
+  if not blocks:
+    return None, "no usable processor in /proc/cpuinfo"
+  cores = len({(b.get("physical id"), b.get("core id", b["processor"])) for b in blocks})
+  model = blocks[0].get("model name", "")
+  rated = re.search(r"@\s*([\d.]+)\s*GHz", model)
+  mhz = [float(b["cpu MHz"]) for b in blocks if "cpu MHz" in b]
+  ghz = float(rated.group(1)) if rated else (max(mhz) / 1e3 if mhz else None)
+  flags = set((blocks[0].get("flags") or blocks[0].get("Features") or "").split())
+  flags |= {"avx2+fma"} if {"avx2", "fma"} <= flags else set()
+  ext = next(((name, per) for name, per in _FLOPS_PER_CYCLE if name in flags), None)
+  if ghz is None or ext is None:
+    return None, f"/proc/cpuinfo has no {'clock' if ghz is None else 'known SIMD flags'}"
+  return cores * ghz * 1e9 * ext[1], f"cpuinfo:{cores} cores x {ghz:.2f} GHz x {ext[1]} FLOP/cycle ({ext[0]})"
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_peak_flops() -> tuple:
+  """(float32 peak FLOP/s of the cores this process may run on, source); logged once.
+
+  `$T5X_LIKE_CPU_PEAK_FLOPS` overrides; without /proc/cpuinfo figures, a 1 s matmul measurement (a
+  lower bound: a busy machine reads low, so MFU reads high).
+  """
+  if os.environ.get(CPU_PEAK_ENV):
+    try:
+      peak, source = float(os.environ[CPU_PEAK_ENV]), f"${CPU_PEAK_ENV}"
+    except ValueError:
+      raise ValueError(f"${CPU_PEAK_ENV}={os.environ[CPU_PEAK_ENV]!r} is not a number of FLOP/s "
+                       "(e.g. 2e11)") from None
+  else:
+    try:
+      with open("/proc/cpuinfo", encoding="utf-8") as f:
+        peak, source = cpu_peak_from_cpuinfo(f.read(), os.sched_getaffinity(0))
+    except OSError as e:
+      peak, source = None, f"cannot read /proc/cpuinfo ({e.strerror})"
+    if peak is None:
+      peak, source = measure_matmul_peak("float32"), f"measured:cpu ({source}; set ${CPU_PEAK_ENV})"
+  logging.info("CPU peak %.3g FLOP/s float32 (%s)", peak, source)
+  return peak, source
+
+
 def peak_flops_per_device(device=None, dtype: str = "bfloat16") -> tuple:
   """(peak FLOP/s of one device, source), e.g. (9.894e14, 'catalogue:h100').
 
-  GPUs and TPUs come from the catalogue by `device_kind`. On CPU the machine's own matmul peak is
-  measured once (float32: XLA:CPU's fastest dot) and divided among the emulated CPU devices, which
-  share the same cores: (8 devices × per-device peak) is the machine peak.
+  GPUs and TPUs come from the catalogue by `device_kind`. On CPU the machine's float32 peak
+  (`cpu_peak_flops`; float32 is XLA:CPU's fastest dot) is divided among the emulated CPU devices,
+  which share the same cores, unless a hardware file gives the "cpu" entry a float32 peak per device.
   """
   device = device or jax.devices()[0]
   dtype = jnp.dtype(dtype).name
   if device.platform == "cpu":
-    n = max(1, len(jax.devices("cpu")))
-    return measure_matmul_peak("float32") / n, "measured:cpu"
+    if CATALOGUE["cpu"].peak_flops.get("float32"):
+      return CATALOGUE["cpu"].peak_flops["float32"], "catalogue:cpu"
+    peak, source = cpu_peak_flops()
+    return peak / max(1, len(jax.devices("cpu"))), source
   hw = from_device_kind(device.device_kind)
   if hw is None:
     raise ValueError(f"no catalogue entry for device_kind {device.device_kind!r}: add one with a JSON file "

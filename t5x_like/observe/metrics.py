@@ -186,9 +186,6 @@ class IntervalMeter:
       self._timed_steps += 1
     self._records.append(step_metrics)
 
-  def pending(self) -> int:
-    return len(self._records)
-
   def summary(self, data_iterator=None) -> dict:
     """Fetches the interval's metrics (one device→host transfer) and returns its scalars; resets.
 
@@ -225,10 +222,10 @@ class IntervalMeter:
 
 
 def progress_line(step: int, total: int, loss: float, tokens_per_sec: Optional[float],
-                  mfu: Optional[float], seconds_per_step: Optional[float]) -> str:
+                  mfu: Optional[float], step_seconds: Optional[float]) -> str:
   """'step 40/1000  loss 3.2100  12,345 tok/s  MFU 41.0%  ETA 0h05m12s' (— while nothing is timed yet)."""
-  if tokens_per_sec is None or seconds_per_step is None:
+  if tokens_per_sec is None or step_seconds is None:
     return f"step {step}/{total}  loss {loss:.4f}  (first step: compiling)"
-  eta = max(0, total - step) * seconds_per_step
+  eta = max(0, total - step) * step_seconds
   return (f"step {step}/{total}  loss {loss:.4f}  {tokens_per_sec:,.0f} tok/s  MFU {100 * mfu:.1f}%  "
           f"ETA {int(eta // 3600)}h{int(eta % 3600 // 60):02d}m{int(eta % 60):02d}s")
