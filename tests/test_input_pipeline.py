@@ -163,14 +163,6 @@ def test_iterator_checkpoint_restores_the_next_batch(data_dir, tmp_path):
     assert all(np.array_equal(want[k].numpy(), got[k].numpy()) for k in want)
 
 
-def test_data_iterator_reports_wait_and_prefetch_depth(data_dir):
-  it = ip.DataIterator(ip.make_dataset(data_dir, "train", batch_size=2, seq_len=8, **ONE))
-  batch = next(it)
-  assert isinstance(batch["inputs"], np.ndarray) and batch["inputs"].shape == (2, 8)
-  m = it.metrics()
-  assert m["data_wait_s"] >= 0 and m["prefetch_depth"] >= 0
-
-
 def test_prepacked_data_is_read_without_repacking(data_dir, tmp_path):
   packed = str(tmp_path / "packed")
   pp.preprocess(INPUTS, packed, **dict(KW, pack_length=17))

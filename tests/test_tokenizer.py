@@ -36,7 +36,7 @@ def test_decode_stops_at_eos_and_ignores_pad(tok):
 
 
 def test_load_matches_trained(tok):
-  loaded = tokenizer_lib.load_tokenizer(tok.path)
+  loaded = tokenizer_lib.Tokenizer.load(tok.path)
   assert loaded.sha256 == tok.sha256
   assert loaded.encode("Bridges are promises.") == tok.encode("Bridges are promises.")
 

@@ -7,8 +7,6 @@ import hashlib
 import json
 import posixpath
 import sys
-import time
-from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -297,43 +295,6 @@ def prefetch_depth(iterator) -> int | None:
       return int(node.buffered_elements)
     node = model.nodes.get(node.inputs[0]) if node.inputs else None
   return None
-
-
-class DataIterator:
-  """Numpy batches from a dataset, timing each wait; `.iterator` is what a checkpoint saves.
-
-  Example:
-    it = DataIterator(make_dataset(DATA_DIR, "train", batch_size=8, seq_len=256))
-    batch = next(it)                   # dict of numpy arrays
-    it.metrics()                       # {"data_wait_s": ..., "prefetch_depth": ...}
-    tf.train.Checkpoint(iterator=it.iterator).write(path)
-  """
-
-  def __init__(self, dataset: tf.data.Dataset):
-    self.iterator = iter(dataset)
-    self.last_wait_s = 0.0
-    self.total_wait_s = 0.0
-    self.steps = 0
-
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict[str, Any]:
-    start = time.perf_counter()
-    batch = {k: v._numpy() for k, v in next(self.iterator).items()}  # pylint: disable=protected-access
-    self.last_wait_s = time.perf_counter() - start
-    self.total_wait_s += self.last_wait_s
-    self.steps += 1
-    return batch
-
-  def metrics(self) -> dict[str, float]:
-    """data_wait_s of the last step, its mean so far, and the prefetch queue depth."""
-    depth = prefetch_depth(self.iterator)
-    out = {"data_wait_s": self.last_wait_s,
-           "data_wait_s_mean": self.total_wait_s / max(self.steps, 1)}
-    if depth is not None:
-      out["prefetch_depth"] = float(depth)
-    return out
 
 
 def unigram_baseline(data_dir: str, max_tokens: int = 20_000_000, seq_len: int = 1023) -> float:

@@ -11,6 +11,9 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import sentencepiece as spm
+import tensorflow as tf
+
+from t5x_like import files
 
 PAD_ID = 0
 EOS_ID = 1
@@ -26,24 +29,11 @@ log = logging.getLogger(__name__)
 
 def _read_bytes(path: str) -> bytes:
   """Reads a whole file through tf.io.gfile (local, gs:// and other TF filesystems)."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (lazy: workers never need TF)
   try:
     with tf.io.gfile.GFile(path, "rb") as f:
       return f.read()
   except tf.errors.NotFoundError as e:
     raise FileNotFoundError(str(e)) from e
-
-
-def _write_bytes(path: str, data: bytes) -> None:
-  """Writes through tf.io.gfile to a temporary name, then renames it into place."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  parent = os.path.dirname(path)
-  if parent:
-    tf.io.gfile.makedirs(parent)
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with tf.io.gfile.GFile(tmp, "wb") as f:
-    f.write(data)
-  tf.io.gfile.rename(tmp, path, overwrite=True)
 
 
 class Tokenizer:
@@ -75,7 +65,7 @@ class Tokenizer:
       raise ValueError(f"Tokenizer model '{path}' is not a SentencePiece model: {e}") from e
 
   def save(self, path: str) -> None:
-    _write_bytes(os.fspath(path), self._proto)
+    files.write_atomic(os.fspath(path), self._proto)
 
   @property
   def model_proto(self) -> bytes:
@@ -109,9 +99,6 @@ class Tokenizer:
     """Token ids of `text`, without BOS or EOS."""
     return self._sp.encode(text)
 
-  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-    return self._sp.encode(list(texts))
-
   def decode(self, ids: Iterable[int]) -> str:
     """Text of `ids`, stopping at the first EOS and ignoring padding."""
     out = []
@@ -121,14 +108,6 @@ class Tokenizer:
       if i != self.pad_id:
         out.append(int(i))
     return self._sp.decode(out)
-
-  def id_to_piece(self, i: int) -> str:
-    return self._sp.id_to_piece(int(i))
-
-
-def load_tokenizer(path: str) -> Tokenizer:
-  """Same as `Tokenizer.load(path)`."""
-  return Tokenizer.load(path)
 
 
 def _training_sentences(texts: Iterable[str], max_chars: int | None) -> list[str]:
@@ -157,7 +136,6 @@ def _training_sentences(texts: Iterable[str], max_chars: int | None) -> list[str
 def _iter_texts(source) -> Iterator[str]:
   if isinstance(source, (str, os.PathLike)):  # a glob pattern or a file
     pattern = os.fspath(source)
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
     paths = sorted(tf.io.gfile.glob(pattern))
     if not paths:
       raise FileNotFoundError(f"No tokenizer training files match '{pattern}'")
