@@ -89,7 +89,7 @@ def _pool_map(fn: Callable, args: Iterator, num_workers: int, initializer, inita
     # Workers fork from a clean server that imported only the TF-free worker module: never from
     # this process, whose TF / JAX threads make fork unsafe.
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["t5x_like.text_cleaning"])
+    ctx.set_forkserver_preload(["t5x_like.data.text_cleaning"])
   else:
     ctx = multiprocessing.get_context("spawn")
   with ctx.Pool(num_workers, initializer, initargs) as pool:

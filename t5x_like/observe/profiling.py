@@ -57,6 +57,6 @@ def _validate(steps):
   if not steps:
     return None, None
   if len(steps) != 2 or not all(isinstance(s, int) for s in steps) or not 1 <= steps[0] <= steps[1]:
-    raise ValueError(f"TrainConfig.profile_steps must be (first, last) with 1 <= first <= last, "
+    raise ValueError(f"ObserveConfig.profile_steps must be (first, last) with 1 <= first <= last, "
                      f"got {steps!r}")
   return int(steps[0]), int(steps[1])

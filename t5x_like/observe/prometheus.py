@@ -63,7 +63,7 @@ class PrometheusExporter:
                                                                        registry=self.registry)
     except OSError as e:
       raise OSError(f"cannot serve Prometheus metrics on {host}:{port} "
-                    f"(TrainConfig.prometheus_port / prometheus_host): {e}") from e
+                    f"(ObserveConfig.prometheus_port / prometheus_host): {e}") from e
     self.host, self.port = host, self._server.server_port
     logging.info("Prometheus metrics at http://%s:%d/metrics", host, self.port)
 

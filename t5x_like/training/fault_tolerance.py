@@ -223,7 +223,7 @@ class RunGuard:
   def __init__(self, manager, abstract_state, *, nonfinite_patience: int, nonfinite_action: str,
                max_failed_saves: int, debug_nan_steps=()):
     if nonfinite_action not in ("stop", "rollback"):
-      raise ValueError(f"TrainConfig.nonfinite_action must be 'stop' or 'rollback', got {nonfinite_action!r}")
+      raise ValueError(f"FaultToleranceConfig.nonfinite_action must be 'stop' or 'rollback', got {nonfinite_action!r}")
     self.manager, self.abstract_state, self.action = manager, abstract_state, nonfinite_action
     self.preemption = PreemptionWatcher()
     self.nonfinite = NonFiniteMonitor(nonfinite_patience)
@@ -249,7 +249,7 @@ class RunGuard:
     if step not in self._poison:
       return batch
     self._poison.discard(step)
-    logging.warning("step %d: poisoning the batch with NaN weights (TrainConfig.debug_nan_steps)", step)
+    logging.warning("step %d: poisoning the batch with NaN weights (FaultToleranceConfig.debug_nan_steps)", step)
     return dict(batch, weights=np.full_like(batch["weights"], np.nan))
 
   def after_step(self, step: int, step_metrics) -> bool:
@@ -258,12 +258,12 @@ class RunGuard:
     if bad is None:
       return False
     message = (f"{self.nonfinite.consecutive} consecutive non-finite steps ending at step {bad} "
-               f"(TrainConfig.nonfinite_patience={self.nonfinite.patience})")
+               f"(FaultToleranceConfig.nonfinite_patience={self.nonfinite.patience})")
     if self.action == "rollback" and self.rollbacks < MAX_ROLLBACKS:
       logging.error("%s: rolling back to the last checkpoint and skipping the batches since", message)
       return True
     raise NonFiniteError(f"{message}: stopped; lower the learning rate, check the data, or set "
-                         "TrainConfig.nonfinite_action='rollback'. Parameters were not updated by those "
+                         "FaultToleranceConfig.nonfinite_action='rollback'. Parameters were not updated by those "
                          f"steps; the newest checkpoint is step {self.manager.latest_step()}")
 
   def rollback(self):
