@@ -9,6 +9,7 @@ import sys
 from absl import logging as absl_logging
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -198,15 +199,24 @@ def test_read_only_model_dir_is_a_clear_error_and_loses_nothing(tmp_path):
 
 def test_warm_start_takes_params_and_optionally_optimizer_state(tmp_path):
   source, _ = sharded_state(DATA8, seed=3)
+  # a trained-looking optimizer state (non-zero moments), so taking it or not is visible
+  moments = jax.tree.map(lambda x: x + 0.25 if jnp.issubdtype(x.dtype, jnp.floating) else x + 3, source.opt_state)
+  source = source.replace(step=source.step + 9, opt_state=moments)
   manager = checkpoints.make_manager(str(tmp_path), async_save=False)
-  checkpoints.save(manager, 9, source.replace(step=source.step + 9))
+  checkpoints.save(manager, 9, source)
   fresh, abstract = sharded_state(FSDP4_TENSOR2, seed=4)
+  fresh_opt = jax.device_get(fresh.opt_state)
   warm = fault_tolerance.warm_start(fresh, str(tmp_path), abstract, with_optimizer=False)
   assert_trees_equal(warm.params, source.params)
-  assert_trees_equal(warm.opt_state, fresh.opt_state) and int(warm.step) == 0
+  assert_trees_equal(warm.opt_state, fresh_opt)  # a fresh optimizer: nothing taken from the source
+  assert int(warm.step) == 0
   path = os.path.join(checkpoints.checkpoint_dir(str(tmp_path)), "9")
   warm = fault_tolerance.warm_start(fresh, path, abstract, with_optimizer=True)
-  assert_trees_equal(warm.opt_state, source.opt_state) and int(warm.step) == 0
+  assert_trees_equal(warm.params, source.params)
+  assert_trees_equal(warm.opt_state, source.opt_state)  # the source's moments and counts, resharded
+  assert int(warm.step) == 0
+  assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(source.opt_state)),
+                                                      jax.tree.leaves(fresh_opt)))
 
 
 def test_cli_list_inspect_digest_and_errors(tmp_path, capsys, monkeypatch):
