@@ -327,16 +327,8 @@ def restore_newest_params(model_dir: str, abstract_params, step: Optional[int] =
 
 
 def path_name(path) -> str:
-  """'blocks/attn/qkv/kernel' for a jax key path."""
-  parts = []
-  for key in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(key, attr):
-        parts.append(str(getattr(key, attr)))
-        break
-    else:
-      parts.append(str(key))
-  return "/".join(parts)
+  """'blocks/attn/qkv/kernel' for a jax key path (jax.tree_util.keystr)."""
+  return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def host_array(x) -> np.ndarray:

@@ -15,8 +15,8 @@ Params = Dict[str, Any]
 
 
 def path_name(path: Tuple[str, ...]) -> str:
-  """('blocks', 'attn', 'qkv', 'kernel') → 'blocks/attn/qkv/kernel'."""
-  return "/".join(str(p) for p in path)
+  """('blocks', 'attn', 'qkv', 'kernel') → 'blocks/attn/qkv/kernel' (flatten_dict keys are plain strings)."""
+  return "/".join(path)
 
 
 def _flat(params: Params) -> dict:
