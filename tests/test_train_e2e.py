@@ -109,3 +109,27 @@ def test_cli_bad_input_exits_with_one_line_reason(tmp_path):
   assert unknown.returncode != 0 and "NO_SUCH_THING" in unknown.stderr.strip().splitlines()[-1]
   no_file = _cli("--gin_file=configs/runs/typo.gin")
   assert no_file.returncode != 0 and "typo.gin" in no_file.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_cli_exit_codes_nonfinite_65_and_unwritable_model_dir_74(dataset, tmp_path):
+  tiny = ["--gin.BATCH_SIZE=8", "--gin.SEQ_LEN=32", "--gin.TRAIN_STEPS=6", "--gin.LOG_EVERY=1",
+          "--gin.model.GPTConfig.num_layers=1", f"--gin.DATA_DIR='{dataset}'"]
+  nan = _cli(f"--gin.MODEL_DIR='{tmp_path}/nan'", *tiny, "--gin.fault_tolerance.FaultToleranceConfig.nonfinite_patience=2",
+             "--gin.fault_tolerance.FaultToleranceConfig.debug_nan_steps=(2, 3, 4)")
+  assert nan.returncode == 65, nan.stderr[-2000:]
+  assert nan.stderr.strip().splitlines()[-1].startswith("stopped: 2 consecutive non-finite steps ending at step 3")
+  locked = tmp_path / "locked"
+  locked.mkdir()
+  if os.geteuid() == 0:
+    assert subprocess.run(["chattr", "+i", str(locked)], capture_output=True).returncode == 0, "chattr +i failed"
+    unlock = ["chattr", "-i", str(locked)]
+  else:
+    os.chmod(locked, 0o555)
+    unlock = ["chmod", "755", str(locked)]
+  try:
+    ro = _cli(f"--gin.MODEL_DIR='{locked}/run'", *tiny)
+  finally:
+    subprocess.run(unlock, check=True)
+  assert ro.returncode == 74, ro.stderr[-2000:]
+  assert "is not writable" in ro.stderr.strip().splitlines()[-1]
