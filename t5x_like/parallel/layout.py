@@ -70,6 +70,7 @@ def check(mesh_shape: Mapping[str, int], rules: Optional[partitioning.Rules] = N
   if stages > 1:
     per_step = batch_size // num_microbatches
     if per_step % (pipeline_microbatches * rows):
-      raise ValueError(f"GPTConfig.pipeline_microbatches → {pipeline_microbatches} pipeline microbatches: "
+      raise ValueError(f"GPTConfig.pipeline_microbatches={pipeline_microbatches} (pipeline microbatches; 0 means "
+                       f"2 × stages): "
                        f"BATCH_SIZE/NUM_MICROBATCHES = {per_step} rows are not divisible by "
                        f"{pipeline_microbatches} microbatches × {row_desc}={rows}")
