@@ -74,24 +74,29 @@ def losses(model_dir):
 
 
 def test_two_processes_match_one_and_checkpoints_cross_over(dataset, tmp_path):
-  one, two = str(tmp_path / "one"), str(tmp_path / "two")
-  wait_all(launch(one, dataset, 6, processes=1))
-  wait_all(launch(two, dataset, 4, processes=2))
-  reference, multi = losses(one), losses(two)
-  assert sorted(multi) == [1, 2, 3, 4]
-  for step in multi:  # same global batches, same math: equal up to float32 reduction order
-    assert multi[step] == pytest.approx(reference[step], rel=2e-5), (step, multi, reference)
-  with open(os.path.join(two, "metrics.jsonl")) as f:  # process 0 alone writes: one record per step
+  """One 8-step run on 1 process × 4 devices is the reference. A second run goes 2 processes (steps 1-4)
+  → 1 process (5-6) → 2 processes (7-8), each launch resuming the other's checkpoint: every step's loss
+  equals the reference's (same global batches with the default data streams, same math)."""
+  one, handed = str(tmp_path / "one"), str(tmp_path / "handed")
+  wait_all(launch(one, dataset, 8, processes=1))
+  reference = losses(one)
+  assert sorted(reference) == list(range(1, 9))
+
+  def assert_matches(steps):
+    got = losses(handed)
+    for step in steps:  # equal up to float32 reduction order
+      assert got[step] == pytest.approx(reference[step], rel=2e-5), (step, got, reference)
+
+  wait_all(launch(handed, dataset, 4, processes=2))
+  assert_matches([1, 2, 3, 4])
+  with open(os.path.join(handed, "metrics.jsonl")) as f:  # process 0 alone writes: one record per step
     assert [r["step"] for r in map(json.loads, f) if "loss" in r] == [1, 2, 3, 4]
-  assert len([n for n in os.listdir(two) if n.startswith("events.out.tfevents")]) == 1
-  # written by 2 processes, continued by 1 process: the same losses as the 1-process run
-  wait_all(launch(two, dataset, 6, processes=1))
-  after = losses(two)
-  for step in (5, 6):
-    assert after[step] == pytest.approx(reference[step], rel=2e-5), (step, after, reference)
-  # and the reverse: written by 1 process (step 6), continued by 2 processes
-  wait_all(launch(one, dataset, 8, processes=2))
-  assert sorted(losses(one)) == list(range(1, 9))
+  assert len([n for n in os.listdir(handed) if n.startswith("events.out.tfevents")]) == 1
+  wait_all(launch(handed, dataset, 6, processes=1))  # written by 2 processes, continued by 1
+  assert_matches([5, 6])
+  wait_all(launch(handed, dataset, 8, processes=2))  # written by 1 process, continued by 2
+  assert_matches([7, 8])
+  assert sorted(losses(handed)) == list(range(1, 9))
 
 
 def test_killed_peer_makes_the_other_exit_with_a_reason(dataset, tmp_path):
