@@ -1,13 +1,88 @@
-"""Test set-up: 8 fake CPU devices, set before jax is imported anywhere."""
+"""Test set-up: 8 fake CPU devices, set before jax is imported anywhere; under CI, an unexpected skip fails.
+
+Markers and options live in pytest.ini at the repository root.
+"""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent JAX compilation cache for the test run and every process it launches (CLI runs, the
+# two-process tests): a step compiled once is loaded, not recompiled, by the next launch of the same config.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "t5x_like_test_jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # pylint: disable=g-import-not-at-top
 
+# Skips that stay skips under CI: the machine cannot give the test what it needs, and another test covers
+# the logic. Matched against the start of the skip reason. Anything else that skips under CI fails.
+ALLOWED_SKIPS = (
+    # test_checkpoints: a real full disk needs a 1 MB tmpfs mount (root); the simulated ENOSPC test covers it.
+    "cannot mount a small tmpfs here",
+    # test_checkpoints: root on a file system without `chattr +i` cannot make a directory read-only.
+    "cannot make a directory read-only here",
+)
 
-def pytest_configure(config):
-  config.addinivalue_line("markers", "slow: end-to-end tests (run in CI; skip locally with -m 'not slow')")
+
+def on_ci() -> bool:
+  return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _skip_reason(report) -> str:
+  if isinstance(report.longrepr, tuple):  # (path, line, "Skipped: reason")
+    return str(report.longrepr[2]).removeprefix("Skipped: ")
+  return str(report.longrepr)
+
+
+def _fail_unexpected_skip(report) -> None:
+  if not (report.skipped and on_ci()) or hasattr(report, "wasxfail"):
+    return
+  reason = _skip_reason(report)
+  if not reason.startswith(ALLOWED_SKIPS):
+    report.outcome = "failed"
+    report.longrepr = (f"unexpected skip under CI={os.environ['CI']!r}: {reason!r}. Install or provide what the "
+                       f"test needs, or add the reason to ALLOWED_SKIPS in tests/conftest.py with why it is "
+                       f"acceptable")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):  # pylint: disable=unused-argument
+  outcome = yield
+  _fail_unexpected_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):  # pylint: disable=unused-argument
+  # a module-level pytest.importorskip / pytest.skip
+  outcome = yield
+  _fail_unexpected_skip(outcome.get_result())
+
+
+def write_corpus(directory, files=8, lines=300, seed=0):
+  """Sentences from a tiny grammar (that of shared/checks/contracts.sh): learnable structure far below
+  the unigram entropy."""
+  import random  # pylint: disable=g-import-not-at-top
+  rng = random.Random(seed)
+  subj = ["the trainer", "a shard", "the mesh", "every host", "the optimizer", "a checkpoint"]
+  verb = ["reads", "writes", "shards", "restores", "packs", "streams"]
+  obj = ["tokens", "parameters", "batches", "gradients", "records", "layers"]
+  os.makedirs(directory, exist_ok=True)
+  for f in range(files):
+    with open(os.path.join(directory, f"doc{f}.txt"), "w") as out:
+      for _ in range(lines):
+        out.write(f"{rng.choice(subj)} {rng.choice(verb)} {rng.choice(obj)}.\n")
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> str:
+  """One prepared DATA_DIR shared by the whole test run (train/e2e, fault tolerance, multi-host):
+  8 × 300 generated lines, SentencePiece vocabulary 400, 4 train shards, 20% validation."""
+  from t5x_like.data import preprocessing  # pylint: disable=g-import-not-at-top  (after the XLA flags above)
+  root = tmp_path_factory.mktemp("corpus")
+  write_corpus(str(root / "raw"))
+  preprocessing.preprocess([str(root / "raw" / "*.txt")], str(root / "ds"), vocab_size=400, num_train_shards=4,
+                           validation_fraction=0.2, num_workers=1, progress=False, cache_dir=None)
+  return str(root / "ds")

@@ -1,4 +1,4 @@
-"""Model behaviour: causality, document isolation, parameter count, KV-cache decoding equals recompute."""
+"""Model behaviour: causality, document isolation, parameter count, config validation (decoding: test_decoding.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,6 @@ import pytest
 
 from t5x_like.model import decoder as model_lib
 from t5x_like.parallel import partitioning
-from t5x_like.model import decoding as sampling
 
 CFG = model_lib.GPTConfig(vocab_size=128, max_len=32, num_layers=2, num_heads=4, d_model=32, d_ff=64,
                           dtype="float32")
@@ -49,44 +48,6 @@ def test_gpt2_small_has_124m_parameters():
   # embeddings 50304·768 + 1024·768, 12 blocks of 12·768² + 13·768, final LayerNorm 2·768
   expected = 50304 * 768 + 1024 * 768 + 12 * (12 * 768 * 768 + 13 * 768) + 2 * 768
   assert model_lib.count_params(cfg) == expected == 124_475_904
-
-
-def test_kv_cache_greedy_equals_full_recompute(params):
-  prompts = np.random.RandomState(2).randint(4, 128, (3, 5)).astype(np.int32)
-  cached = sampling.generate(params, prompts, np.ones_like(prompts), jax.random.key(0), config=CFG,
-                             max_new_tokens=12)
-  reference = sampling.generate_by_recompute(params, prompts, config=CFG, max_new_tokens=12)
-  np.testing.assert_array_equal(np.asarray(cached), np.asarray(reference))
-
-
-def test_left_padded_batch_decodes_like_each_prompt_alone(params):
-  rng = np.random.RandomState(3)
-  prompts = [list(rng.randint(4, 128, 7)), list(rng.randint(4, 128, 3))]
-  tokens, segments = sampling.left_pad(prompts)
-  batched = np.asarray(sampling.generate(params, tokens, segments, jax.random.key(0), config=CFG,
-                                         max_new_tokens=8))
-  for row, prompt in enumerate(prompts):
-    alone = sampling.generate_by_recompute(params, np.array([prompt], np.int32), config=CFG, max_new_tokens=8)
-    np.testing.assert_array_equal(batched[row], np.asarray(alone)[0])
-
-
-def test_eos_stops_a_row():
-  # greedy run, then ask it to stop at its own first generated token
-  p = partitioning.unbox(model_lib.GPT(CFG).init(jax.random.key(5), jnp.zeros((1, 4), jnp.int32))["params"])
-  prompt = np.array([[5, 6, 7]], np.int32)
-  free = np.asarray(sampling.generate(p, prompt, np.ones_like(prompt), jax.random.key(0), config=CFG,
-                                      max_new_tokens=6))
-  stopped = np.asarray(sampling.generate(p, prompt, np.ones_like(prompt), jax.random.key(0), config=CFG,
-                                         max_new_tokens=6, eos_id=int(free[0, 0]), pad_id=0))
-  assert stopped[0, 0] == free[0, 0] and (stopped[0, 1:] == 0).all(), (free, stopped)
-
-
-def test_top_k_one_is_greedy(params):
-  prompt = np.array([[9, 10, 11]], np.int32)
-  greedy = sampling.generate(params, prompt, np.ones_like(prompt), jax.random.key(0), config=CFG, max_new_tokens=5)
-  sampled = sampling.generate(params, prompt, np.ones_like(prompt), jax.random.key(7), config=CFG,
-                              max_new_tokens=5, temperature=1.3, top_k=1)
-  np.testing.assert_array_equal(np.asarray(greedy), np.asarray(sampled))
 
 
 def test_config_validation_names_the_field():

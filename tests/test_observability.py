@@ -1,10 +1,12 @@
 """One real tiny run (subprocess, 8 CPU devices, data×fsdp×tensor mesh) observed from outside: metrics.jsonl,
-the Prometheus endpoint while it trains, the profiler trace, the plot, evaluate and infer CLIs."""
+the Prometheus endpoint while it trains, the profiler trace, the plot, evaluate and infer CLIs (prompts from
+flags and a file; an unreadable newest checkpoint skipped for the one before it)."""
 
 import json
 import math
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,11 +19,12 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from t5x_like import infer
 from t5x_like.model import decoder as model_lib
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.data import preprocessing as preprocess
+from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.model import decoding as sampling
+from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
 from t5x_like.training import experiment
 
@@ -29,6 +32,7 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = "{'pipeline': 1, 'data': 2, 'fsdp': 2, 'tensor': 2}"
 STEPS, LOG_EVERY, EVAL_EVERY, BATCH, SEQ = 24, 2, 12, 8, 32
+UNREADABLE = STEPS + 6  # the newer, damaged checkpoint step of the `damaged` copy
 PROFILE = (5, 6)
 
 
@@ -160,8 +164,52 @@ def test_plot_writes_a_png_of_one_or_several_runs(run, tmp_path):
   assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 600
 
 
-def test_evaluate_cli_matches_the_runs_own_evaluation(run):
-  out = cli("evaluate", *gin_args(run["model_dir"], run["data_dir"]), f"--step={STEPS}")
+@pytest.fixture(scope="module")
+def damaged(run, tmp_path_factory):
+  """A copy of the run's MODEL_DIR whose newest committed step, UNREADABLE, is step STEPS's directory
+  with every array data file overwritten by zeros: listed like a good step, failing only at restore."""
+  model_dir = str(tmp_path_factory.mktemp("damaged") / "run")
+  shutil.copytree(run["model_dir"], model_dir, ignore=shutil.ignore_patterns("profile"))
+  bad = os.path.join(checkpointing.checkpoint_dir(model_dir), str(UNREADABLE))
+  shutil.copytree(os.path.join(checkpointing.checkpoint_dir(model_dir), str(STEPS)), bad)
+  zeroed = 0
+  for dirpath, _, files in os.walk(os.path.join(bad, checkpointing.STATE)):
+    for name in files if os.path.basename(dirpath) == "d" else []:  # ocdbt data files
+      path = os.path.join(dirpath, name)
+      with open(path, "r+b") as f:
+        f.write(bytes(os.path.getsize(path)))
+      zeroed += 1
+  assert zeroed and checkpointing.committed_steps(model_dir) == [STEPS, UNREADABLE]
+  return model_dir
+
+
+def experiment_on(model_dir, data_dir):
+  """The run's Experiment (gpt_tiny on the run's mesh), pointed at `model_dir`."""
+  config = config_lib.TrainConfig(model_dir=model_dir, data_dir=data_dir, batch_size=BATCH, seq_len=SEQ,
+                                  mesh_shape=eval(MESH))  # pylint: disable=eval-used
+  tiny = model_lib.GPTConfig(num_layers=4, num_heads=4, d_model=128, d_ff=512, max_len=512, dtype="float32")
+  return experiment.Experiment(config, tiny, optimizer_lib.OptimizerConfig())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's loop, after the failed read
+def test_restore_params_falls_back_past_an_unreadable_newest_checkpoint(run, damaged, caplog):
+  """infer and evaluate restore through Experiment.restore_params: an unreadable newest step is logged
+  and the one before it restored, bit-identical to the undamaged run's; asked for by number, it fails."""
+  exp = experiment_on(damaged, run["data_dir"])
+  with exp.context():
+    found, params = exp.restore_params()
+    with pytest.raises(FileNotFoundError, match=f"no readable checkpoint in .* at step {UNREADABLE}"):
+      exp.restore_params(UNREADABLE)
+  assert found == STEPS
+  assert f"checkpoint step {UNREADABLE} is unreadable" in caplog.text
+  clean = experiment_on(run["model_dir"], run["data_dir"])
+  with clean.context():
+    assert clean.restore_params()[0] == STEPS
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), jax.device_get(clean.restore_params()[1]))
+
+
+def test_evaluate_cli_matches_the_runs_own_evaluation_past_an_unreadable_checkpoint(run, damaged):
+  out = cli("evaluate", *gin_args(damaged, run["data_dir"]))
   result = json.loads(out.strip().splitlines()[-1])
   assert result["step"] == STEPS and result["split"] == "validation"
   assert result["eval/perplexity"] == pytest.approx(math.exp(result["eval/loss"]), rel=1e-12)
@@ -170,22 +218,31 @@ def test_evaluate_cli_matches_the_runs_own_evaluation(run):
   assert f"loss {result['eval/loss']:.6f}" in out and f"perplexity {result['eval/perplexity']:.4f}" in out
 
 
-def test_infer_cli_prints_a_continuation_of_each_prompt(run):
-  out = cli("infer", *gin_args(run["model_dir"], run["data_dir"]), "--prompt=the trainer",
-            "--prompt=every host packs", "--max_new_tokens=12")
-  header, first, second = out.split("# sample ")
+def test_infer_cli_continues_prompts_from_flags_and_file_past_an_unreadable_checkpoint(run, damaged, tmp_path):
+  """--prompt and --prompt_file (blank lines skipped), from the last readable checkpoint: each sample
+  is its prompt + the greedy continuation generate gives that batch of prompts on one device."""
+  prompt_file = tmp_path / "prompts.txt"
+  prompt_file.write_text("every host packs\n\na shard writes\n")
+  prompts = ["the trainer", "every host packs", "a shard writes"]
+  new_tokens = 12
+  out = cli("infer", *gin_args(damaged, run["data_dir"]), "--prompt=the trainer", f"--prompt_file={prompt_file}",
+            f"--max_new_tokens={new_tokens}")
+  header, *samples = out.split("# sample ")
   assert header == f"# checkpoint step {STEPS}\n"
-  for sample, number, prompt in ((first, 1, "the trainer"), (second, 2, "every host packs")):
-    text = sample.split("\n", 1)[1]
-    assert sample.startswith(f"{number}/2\n") and text.startswith(prompt), sample
-    assert len(text.strip()) > len(prompt), sample
+  exp = experiment_on(run["model_dir"], run["data_dir"])
+  tok = tokenizer_lib.Tokenizer.load(os.path.join(run["data_dir"], exp.manifest["tokenizer"]))
+  with exp.context():
+    params = jax.device_get(exp.restore_params()[1])
+  tokens, segments = sampling.left_pad([tok.encode(p) for p in prompts], tok.pad_id)
+  continued = np.asarray(sampling.generate(params, tokens, segments, jax.random.key(0), config=exp.model_config,
+                                           max_new_tokens=new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id))
+  continuations = [tok.decode([int(t) for t in row]) for row in continued]
+  assert samples == [f"{i + 1}/3\n{p}{c}\n" for i, (p, c) in enumerate(zip(prompts, continuations))]
+  assert all(c.strip() for c in continuations)
 
 
 def test_generate_on_the_training_mesh_matches_one_device(run):
-  config = config_lib.TrainConfig(model_dir=run["model_dir"], data_dir=run["data_dir"], batch_size=BATCH,
-                               seq_len=SEQ, mesh_shape=eval(MESH))  # pylint: disable=eval-used
-  tiny = model_lib.GPTConfig(num_layers=4, num_heads=4, d_model=128, d_ff=512, max_len=512, dtype="float32")
-  exp = experiment.Experiment(config, tiny, optimizer_lib.OptimizerConfig())
+  exp = experiment_on(run["model_dir"], run["data_dir"])
   tokens, segments = sampling.left_pad([[5, 6, 7, 8, 9], [10, 11, 12]])
   kwargs = dict(config=exp.model_config, max_new_tokens=10)
   with exp.context():

@@ -3,7 +3,8 @@ backs off and skips exactly as specified on injected overflow; checkpoints carry
 
 Tolerances (3 AdamW steps of a 2-layer d_model-64 model on one batch, loss is a token mean ≈ 5.6):
 per-step losses within 1e-2 relative of float32 (float16: 10 mantissa bits, bfloat16: 7, with float32
-LayerNorm/softmax/logits), and gradient norms within 5e-2 relative.
+LayerNorm/softmax/logits), gradient norms within 5e-2 relative, and the run's parameter update
+(final − initial) off float32's by under 5e-2 of the latter's norm (≈ 0.41).
 """
 
 import dataclasses
@@ -26,7 +27,7 @@ CFG = model_lib.GPTConfig(vocab_size=256, max_len=32, num_layers=2, num_heads=4,
                           dtype="float32")
 BATCH, SEQ, STEPS = 8, 16, 3
 OPT = optimizer.OptimizerConfig(learning_rate=1e-3, warmup_steps=1, eps=1e-6)
-LOSS_RTOL, GRAD_NORM_RTOL = 1e-2, 5e-2
+LOSS_RTOL, GRAD_NORM_RTOL, UPDATE_RTOL = 1e-2, 5e-2, 5e-2
 
 
 def synthetic_batch(seed: int = 0, vocab: int = CFG.vocab_size) -> dict:
@@ -79,9 +80,14 @@ def test_low_precision_trains_like_float32(float32_run, dtype, scaling):
     assert ours["nonfinite"] == 0 and ours.get("overflow", 0) == 0
     np.testing.assert_allclose(ours["loss"], ref["loss"], rtol=LOSS_RTOL)
     np.testing.assert_allclose(ours["grad_norm"], ref["grad_norm"], rtol=GRAD_NORM_RTOL)
-  # The loss falls as in float32: same sign and size of the change over the run.
-  np.testing.assert_allclose(history[-1]["loss"] - history[0]["loss"],
-                             reference[-1]["loss"] - reference[0]["loss"], rtol=0.2, atol=2e-3)
+  # It trains as float32 does: the parameters move, and by the same update. The low-precision update
+  # differs from float32's by 1.4% (bfloat16) / 0.2% (float16) of its norm. With learning rate 0 both
+  # updates are zero and the strict < fails; a low-precision run that skips every step is off by 100%.
+  _, _, _, initial = make_state(CFG)
+  update = lambda s: np.concatenate([np.ravel(a - b) for a, b in zip(jax.tree.leaves(jax.device_get(s.params)),
+                                                                     jax.tree.leaves(initial.params))])
+  ours_update, ref_update = update(state), update(float32_run[0])
+  assert np.linalg.norm(ours_update - ref_update) < UPDATE_RTOL * np.linalg.norm(ref_update)
 
 
 def test_loss_scaled_gradients_equal_unscaled_ones_in_float32(float32_run):

@@ -1,12 +1,13 @@
 """ZeRO-Offload: optimizer state (and optionally the float32 master parameters) live in host memory.
 
-On backends with memory kinds (GPU, TPU) the state's shardings get `memory_kind='pinned_host'`, so
-between steps AdamW's two moments (8 bytes/parameter) — and with `params=True` the float32 master
-weights (4 bytes/parameter) — occupy host RAM, not HBM. Inside the jitted step one `jax.device_put` of
-the whole subtree to `memory_kind='device'` brings them in and the jit's out_shardings send the
-updated values back: XLA schedules these as batched host↔device copies overlapped with the forward
-and backward pass, with no Python round trip per leaf. Per step that moves 8 (12) bytes/parameter each
-way over PCIe/host links; a 124M model on PCIe 5 (~50 GB/s) pays ≈ 20 ms each way.
+On backends with memory kinds (GPU, TPU, and CPU since jax 0.10) the state's shardings get
+`memory_kind='pinned_host'`, so between steps AdamW's two moments (8 bytes/parameter) — and with
+`params=True` the float32 master weights (4 bytes/parameter) — occupy host RAM, not HBM. Inside the
+jitted step one `jax.device_put` of the whole subtree to `memory_kind='device'` brings them in and the
+jit's out_shardings send the updated values back: XLA schedules these as batched host↔device copies
+overlapped with the forward and backward pass, with no Python round trip per leaf. Per step that moves 8
+(12) bytes/parameter each way over PCIe/host links; a 124M model on PCIe 5 (~50 GB/s) pays ≈ 20 ms each
+way.
 
 The CPU backend (jax ≥ 0.10) has a 'pinned_host' memory space too, so the offloaded step runs (and is
 tested) on CPU; a backend without one is refused up front by `check_supported`, with the reason.
