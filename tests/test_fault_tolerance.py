@@ -23,28 +23,9 @@ TINY = {"model.GPTConfig.num_layers": 1, "model.GPTConfig.d_model": 32, "model.G
 STEPS = 60  # long enough (a few seconds of stepping) to be interrupted at a random step
 
 
-def make_corpus(directory) -> str:
-  """A small generated corpus (the generator of shared/checks/contracts.sh) preprocessed into a DATA_DIR."""
-  from t5x_like.data import preprocessing as preprocess  # pylint: disable=g-import-not-at-top
-  raw = directory / "raw"
-  raw.mkdir()
-  rng = random.Random(0)
-  subj = ["the trainer", "a shard", "the mesh", "every host", "the optimizer", "a checkpoint"]
-  verb = ["reads", "writes", "shards", "restores", "packs", "streams"]
-  obj = ["tokens", "parameters", "batches", "gradients", "records", "layers"]
-  for f in range(6):
-    with open(raw / f"doc{f}.txt", "w") as out:
-      for _ in range(200):
-        out.write(" ".join([rng.choice(subj), rng.choice(verb), rng.choice(obj)]) + ".\n")
-  data_dir = str(directory / "ds")
-  preprocess.preprocess([str(raw / "*.txt")], data_dir, vocab_size=300, num_train_shards=4,
-                        validation_fraction=0.2, num_workers=1, progress=False)
-  return data_dir
-
-
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return make_corpus(tmp_path_factory.mktemp("ft_data"))
+def data_dir(corpus):
+  return corpus
 
 
 # ----------------------------------------------------------------------------------------------------

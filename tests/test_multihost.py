@@ -11,8 +11,6 @@ import time
 
 import pytest
 
-from t5x_like.data import preprocessing as preprocess
-from tests.test_train_e2e import write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
@@ -25,12 +23,8 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-  root = tmp_path_factory.mktemp("mh")
-  write_corpus(str(root / "raw"), files=8, lines=200)
-  preprocess.preprocess([str(root / "raw" / "*.txt")], str(root / "ds"), vocab_size=400, num_train_shards=4,
-                        validation_fraction=0.25, progress=False, cache_dir=None)
-  return str(root / "ds")
+def dataset(corpus):
+  return corpus
 
 
 def train_args(model_dir, data_dir, steps, extra=()):

@@ -3,7 +3,6 @@
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 
@@ -13,7 +12,6 @@ import pytest
 from t5x_like.data import input_pipeline
 from t5x_like.model import decoder as model_lib
 from t5x_like.training import optimizer as optimizer_lib
-from t5x_like.data import preprocessing as preprocess
 from t5x_like.training import config as config_lib
 from t5x_like.training import trainer
 
@@ -22,26 +20,9 @@ TINY = model_lib.GPTConfig(num_layers=2, num_heads=4, d_model=64, d_ff=256, max_
 OPT = optimizer_lib.OptimizerConfig(learning_rate=3e-3, warmup_steps=10, decay="cosine")
 
 
-def write_corpus(directory, files=6, lines=300, seed=0):
-  """Sentences from a tiny grammar: learnable structure far below the unigram entropy."""
-  rng = random.Random(seed)
-  subj = ["the trainer", "a shard", "the mesh", "every host", "the optimizer", "a checkpoint"]
-  verb = ["reads", "writes", "shards", "restores", "packs", "streams"]
-  obj = ["tokens", "parameters", "batches", "gradients", "records", "layers"]
-  os.makedirs(directory, exist_ok=True)
-  for f in range(files):
-    with open(os.path.join(directory, f"doc{f}.txt"), "w") as out:
-      for _ in range(lines):
-        out.write(f"{rng.choice(subj)} {rng.choice(verb)} {rng.choice(obj)}.\n")
-
-
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-  root = tmp_path_factory.mktemp("e2e")
-  write_corpus(str(root / "raw"))
-  preprocess.preprocess([str(root / "raw" / "*.txt")], str(root / "ds"), vocab_size=512, num_train_shards=2,
-                        validation_fraction=0.2, progress=False, cache_dir=None)
-  return str(root / "ds")
+def dataset(corpus):
+  return corpus
 
 
 def run_config(model_dir, data_dir, **overrides):
