@@ -26,7 +26,7 @@ from t5x_like.model import decoder as model_lib
 from t5x_like.model import pipeline_parallel
 
 Layout = memory_model.Layout
-REMAT_SEARCH = ("none", "save_dots", "save_attention_out", "full")  # offload_dots needs host memory kinds
+REMAT_SEARCH = ("none", "save_dots", "save_attention_out", "full")  # offload_dots: not modelled (host memory)
 
 
 @dataclasses.dataclass(frozen=True)
