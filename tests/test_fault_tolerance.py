@@ -10,12 +10,15 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
 from t5x_like.training import checkpointing as checkpoints
 from t5x_like.training import fault_tolerance
 from t5x_like.observe import metrics as metrics_lib
+from t5x_like.parallel import global_batch
+from t5x_like.training import experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {"model.GPTConfig.num_layers": 1, "model.GPTConfig.d_model": 32, "model.GPTConfig.num_heads": 2,
@@ -44,7 +47,7 @@ def _train(model_dir, data_dir, fault_tolerance_overrides=(), **overrides):
   config = config_lib.TrainConfig(**{**base, **overrides})
   model_config = model.GPTConfig(**{k.split(".")[-1]: v for k, v in TINY.items()})
   opt = optimizer.OptimizerConfig(learning_rate=1e-2, warmup_steps=0)
-  return trainer.train(config, model_config, opt)
+  return trainer.train(config, model_config, opt), (config, model_config, opt)
 
 
 def _records(model_dir):
@@ -79,15 +82,25 @@ def test_nan_batch_skipped_then_streak_rolls_back_and_skips_batches(tmp_path, da
   step 7, rolled back to the step-4 checkpoint, and 5..8 rerun on the batches after the bad ones."""
   caplog.set_level(logging.WARNING, logger="absl")
   model_dir = tmp_path / "run"
-  _train(model_dir, data_dir, train_steps=8, checkpoint_every=4,
-         fault_tolerance_overrides=dict(debug_nan_steps=(2, 5, 6), nonfinite_patience=2, nonfinite_action="rollback"))
+  _, configs = _train(model_dir, data_dir, train_steps=8, checkpoint_every=4,
+                      fault_tolerance_overrides=dict(debug_nan_steps=(2, 5, 6), nonfinite_patience=2, nonfinite_action="rollback"))
   records = _records(model_dir)
   assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 5, 6, 7, 8]
   assert [r["nonfinite_steps"] for r in records] == [0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0]
   assert records[1]["loss"] == "nan" and records[1]["param_norm"] == records[0]["param_norm"]  # not updated
   assert records[2]["param_norm"] != records[1]["param_norm"]  # the run went on training
   assert all(np.isfinite(r["loss"]) for r in records[7:])
-  assert records[7]["param_norm"] != records[4]["param_norm"]  # step 5 redone on another batch
+  # Exact: the redone step 5 started from the step-4 checkpoint and read the 8th batch of the stream (the
+  # iterator stays past the bad batches): its logged loss is that batch's loss under checkpoint 4's params.
+  exp = experiment.Experiment(*configs)
+  stream = iter(exp.dataset("train", shuffle=True, repeat=True))
+  for _ in range(8):
+    tf_batch = next(stream)
+  with exp.context():
+    _, params = exp.restore_params(4)
+    loss_sum, weight_sum, _ = jax.jit(exp.objective.loss)(params, exp.global_batch(global_batch.tf_to_numpy(tf_batch)), {})
+  np.testing.assert_allclose(records[7]["loss"], float(loss_sum / weight_sum), rtol=1e-6)
+  assert records[7]["loss"] != records[6]["loss"]
   assert "rolled back to step 4" in caplog.text
   assert checkpoints.committed_steps(str(model_dir))[-1] == 8
 
