@@ -5,23 +5,17 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import flags  # pylint: disable=g-import-not-at-top
-from absl import logging
-import jax
-import numpy as np
 
-from t5x_like.training import checkpointing as checkpoints
 from t5x_like import cli as gin_utils
 from t5x_like.model import decoder as model
 from t5x_like.training import optimizer
-from t5x_like.model import decoding as sampling
-from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.training import experiment
 
 FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-  """The CLI's flags; defined only when run as a program, so other entry points can import load_params."""
+  """The CLI's flags; defined only when run as a program (tests import this module)."""
   gin_utils.define_gin_flags()
   flags.DEFINE_multi_string("prompt", [], "Prompt text; repeat the flag for a batch of prompts.")
   flags.DEFINE_string("prompt_file", None, "A file with one prompt per line (added to --prompt).")
@@ -43,26 +37,15 @@ def main(argv):
       prompts += [line.rstrip("\n") for line in f if line.strip()]
   if not prompts:
     raise ValueError("no prompt: pass --prompt='...' (repeatable) or --prompt_file=FILE")
-  exp = experiment.Experiment(gin_utils.train_config(),
-                           gin_utils.configured(model.GPTConfig, "model"),
-                           gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))
-  tok = tokenizer_lib.Tokenizer.load(os.path.join(exp.config.data_dir, exp.manifest["tokenizer"]))
-  cfg = exp.model_config
-  encoded = [tok.encode(p) for p in prompts]
-  longest = max(len(e) for e in encoded) + FLAGS.max_new_tokens
-  if longest > cfg.max_len:
-    raise ValueError(f"prompt + --max_new_tokens = {longest} tokens exceeds the model's max_len={cfg.max_len}")
-  with exp.context():
-    step, params = exp.restore_params(FLAGS.step)
-    tokens, segments = sampling.left_pad(encoded, tok.pad_id)
-    out = sampling.generate(params, tokens, segments, jax.random.key(FLAGS.seed), config=cfg,
-                            max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-                            top_k=FLAGS.top_k, top_p=FLAGS.top_p, eos_id=tok.eos_id, pad_id=tok.pad_id)
+  exp = experiment.Experiment(gin_utils.train_config(), gin_utils.configured(model.GPTConfig, "model"),
+                              gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))
+  step, continuations = exp.sample(prompts, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+                                   top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed, step=FLAGS.step)
   print(f"# checkpoint step {step}", flush=True)
-  for i, (prompt, row) in enumerate(zip(prompts, np.asarray(out))):
+  for i, (prompt, text) in enumerate(zip(prompts, continuations)):
     if len(prompts) > 1:  # a continuation may span lines: mark where each sample starts
       print(f"# sample {i + 1}/{len(prompts)}", flush=True)
-    print(prompt + tok.decode([int(t) for t in row]), flush=True)
+    print(prompt + text, flush=True)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ import flax.linen as nn
 import jax
 
 from t5x_like.data import input_pipeline
+from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.model import config as config_lib
 from t5x_like.model import decoder as model_lib
+from t5x_like.model import decoding
 from t5x_like.observe import metrics as metrics_lib
 from t5x_like.parallel import global_batch
 from t5x_like.parallel import mesh as mesh_lib
@@ -214,6 +216,28 @@ class Experiment:
     """(step, params) of MODEL_DIR's newest readable checkpoint (or `step`), on this mesh; no optimizer state."""
     abstract = self.abstract_with_shardings().params
     return checkpointing.restore_newest_params(self.config.model_dir, abstract, step)
+
+  def sample(self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             seed: int = 0, step: Optional[int] = None):
+    """Continues each prompt with the KV-cache sampler from MODEL_DIR's newest readable checkpoint (or `step`).
+
+    Returns:
+      (checkpoint step, [continuation text per prompt]).
+    """
+    tok = tokenizer_lib.Tokenizer.load(input_pipeline.resolve_path(self.config.data_dir,
+                                                                   self.manifest["tokenizer"]))
+    encoded = [tok.encode(p) for p in prompts]
+    longest = max(len(e) for e in encoded) + max_new_tokens
+    if longest > self.model_config.max_len:
+      raise ValueError(f"prompt + --max_new_tokens = {longest} tokens exceeds the model's "
+                       f"max_len={self.model_config.max_len}")
+    with self.context():
+      found, params = self.restore_params(step)
+      tokens, segments = decoding.left_pad(encoded, tok.pad_id)
+      out = decoding.generate(params, tokens, segments, jax.random.key(seed), config=self.model_config,
+                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                              eos_id=tok.eos_id, pad_id=tok.pad_id)
+    return found, [tok.decode([int(t) for t in row]) for row in jax.device_get(out)]
 
   def evaluate_checkpoint(self, step: Optional[int] = None, split: str = "validation") -> dict:
     """Restores a checkpoint onto this mesh and evaluates it on `split` of DATA_DIR.
