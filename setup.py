@@ -22,6 +22,7 @@ setuptools.setup(
         "tensorflow-cpu>=2.21.0",
         "sentencepiece>=0.2.0",
         "clu>=0.0.12",
+        "tensorboard>=2.21.0",  # clu's TensorBoard summary writer imports it; tensorflow-cpu does not bring it
         "gin-config>=0.5.0",
         "absl-py>=2.1.0",
         "numpy>=2.0",
@@ -30,7 +31,7 @@ setuptools.setup(
     extras_require={
         "beam": ["apache-beam>=2.60"],  # preprocess --runner=direct|dataflow|...
         "plot": ["matplotlib>=3.8"],  # python -m t5x_like.plot
-        "prometheus": ["prometheus_client>=0.20"],  # TrainConfig.prometheus_port > 0
+        "prometheus": ["prometheus_client>=0.20"],  # ObserveConfig.prometheus_port > 0
         # Everything the tests exercise, Beam included (the DirectRunner-equals-local-runner test).
         "test": ["pytest>=8.0", "apache-beam>=2.60", "matplotlib>=3.8", "prometheus_client>=0.20"],
     },
