@@ -33,6 +33,6 @@ setuptools.setup(
         "plot": ["matplotlib>=3.8"],  # python -m t5x_like.plot
         "prometheus": ["prometheus_client>=0.20"],  # ObserveConfig.prometheus_port > 0
         # Everything the tests exercise, Beam included (the DirectRunner-equals-local-runner test).
-        "test": ["pytest>=8.0", "apache-beam>=2.60", "matplotlib>=3.8", "prometheus_client>=0.20"],
+        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "apache-beam>=2.60", "matplotlib>=3.8", "prometheus_client>=0.20"],
     },
 )

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from tests import conftest
 import tensorflow as tf
 
 from t5x_like.training import checkpointing as checkpoints
@@ -233,7 +235,7 @@ def test_cli_list_inspect_digest_and_errors(tmp_path, capsys, monkeypatch):
   assert '"code_version": "0.1.0' in out
 
   run = lambda *args: subprocess.run([sys.executable, "-m", "t5x_like.checkpoints", *args], cwd=REPO,
-                                     capture_output=True, text=True, env=dict(os.environ, XLA_FLAGS=""))
+                                     capture_output=True, text=True, env=dict(os.environ, XLA_FLAGS=conftest.xla_flags(0)))
   digest = run("digest", str(tmp_path))
   assert digest.returncode == 0, digest.stderr
   assert digest.stdout.strip().splitlines()[-1] == checkpoints.params_digest(state.params)

@@ -14,6 +14,8 @@ import jax
 import numpy as np
 import pytest
 
+from tests import conftest
+
 from t5x_like.training import checkpointing as checkpoints
 from t5x_like.training import fault_tolerance
 from t5x_like.observe import metrics as metrics_lib
@@ -118,7 +120,7 @@ def _launch(model_dir, data_dir, cache_dir, steps=STEPS):
           "--gin.data.DataConfig.eval_batches=1", "--gin.data.DataConfig.shuffle_buffer=64",
           "--gin.optimizer.OptimizerConfig.warmup_steps=5"]
   args += [f"--gin.{k}={v}" for k, v in TINY.items()]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+  env = dict(os.environ, XLA_FLAGS=conftest.xla_flags(2), JAX_PLATFORMS="cpu",
              TF_CPP_MIN_LOG_LEVEL="3", JAX_COMPILATION_CACHE_DIR=str(cache_dir),
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   log = open(os.path.join(os.path.dirname(model_dir), os.path.basename(model_dir) + ".log"), "ab")

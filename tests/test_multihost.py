@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from tests import conftest
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
@@ -38,7 +40,7 @@ def train_args(model_dir, data_dir, steps, extra=()):
 
 
 def env(devices):
-  return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+  return {**os.environ, "XLA_FLAGS": conftest.xla_flags(devices), "JAX_PLATFORMS": "cpu"}
 
 
 def launch(model_dir, data_dir, steps, processes, heartbeat=60):

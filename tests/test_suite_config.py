@@ -41,7 +41,7 @@ def run_pytest(tmp_path, files: dict, ci=None):
   if ci is not None:
     env["CI"] = ci
   proc = subprocess.run([sys.executable, "-m", "pytest", "-c", os.path.join(ROOT, "pytest.ini"),
-                         "--rootdir", str(tmp_path), "-p", "no:cacheprovider", str(tmp_path)],
+                         "--rootdir", str(tmp_path), "-p", "no:cacheprovider", "-n", "0", str(tmp_path)],
                         capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
   return proc.returncode, proc.stdout + proc.stderr
 

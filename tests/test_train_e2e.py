@@ -9,6 +9,8 @@ import sys
 import numpy as np
 import pytest
 
+from tests import conftest
+
 from t5x_like.data import input_pipeline
 from t5x_like.model import decoder as model_lib
 from t5x_like.training import optimizer as optimizer_lib
@@ -78,7 +80,7 @@ def test_missing_data_dir_is_named(tmp_path):
 def _cli(*args):
   return subprocess.run([sys.executable, "-m", "t5x_like.train", "--gin_file=configs/models/gpt_tiny.gin",
                          "--gin_file=configs/runs/pretrain.gin", *args], cwd=ROOT, capture_output=True,
-                        text=True, timeout=300, env={**os.environ, "XLA_FLAGS": ""})
+                        text=True, timeout=300, env={**os.environ, "XLA_FLAGS": conftest.xla_flags(0)})
 
 
 def test_cli_bad_input_exits_with_one_line_reason(tmp_path):
