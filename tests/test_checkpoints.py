@@ -221,6 +221,7 @@ def test_warm_start_takes_params_and_optionally_optimizer_state(tmp_path):
                                                       jax.tree.leaves(fresh_opt)))
 
 
+@pytest.mark.slow  # end to end: the CLI on a saved state
 def test_cli_list_inspect_digest_and_errors(tmp_path, capsys, monkeypatch):
   state, _ = sharded_state(DATA8)
   manager = checkpoints.make_manager(str(tmp_path), async_save=False)

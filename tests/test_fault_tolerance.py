@@ -79,6 +79,7 @@ def test_nonfinite_streak_stops_with_a_clear_message(tmp_path):
   assert info.value.exit_code == fault_tolerance.EXIT_NONFINITE == 65
 
 
+@pytest.mark.slow  # end to end: trains, or launches the CLI
 def test_nan_batch_skipped_then_streak_rolls_back_and_skips_batches(tmp_path, data_dir, caplog):
   """Step 2 alone is poisoned: skipped, run continues. Steps 5, 6 in a row (patience 2): detected after
   step 7, rolled back to the step-4 checkpoint, and 5..8 rerun on the batches after the bad ones."""
@@ -174,6 +175,7 @@ def reference_run(tmp_path_factory, data_dir):
   return base, model_dir
 
 
+@pytest.mark.slow  # end to end: trains, or launches the CLI
 def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, data_dir):
   base, reference = reference_run
   model_dir = str(base / "sigterm")

@@ -118,7 +118,13 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# The fast subset keeps one layout per kind (pure data; data×fsdp×tensor; pipeline with data and tensor);
+# the full suite (CI) runs all eight.
+FAST_LAYOUTS = ("data8", "data2_fsdp2_tensor2", "pipeline2_data2_tensor2")
+
+
+@pytest.mark.parametrize("layout", [l if l in FAST_LAYOUTS else pytest.param(l, marks=pytest.mark.slow)
+                                    for l in LAYOUTS])
 def test_layout_trains_like_one_device(layout, initial_state, reference):
   assert_same_training(train(initial_state, **LAYOUTS[layout]), reference)
 

@@ -34,6 +34,7 @@ def run_config(model_dir, data_dir, **overrides):
   return config_lib.TrainConfig(**base)
 
 
+@pytest.mark.slow  # end to end: trains, or launches the CLI
 def test_tiny_model_learns_far_below_unigram_baseline(dataset, tmp_path):
   result = trainer.train(run_config(str(tmp_path / "run"), dataset,
                                            data=config_lib.DataConfig(report_unigram_baseline=True)), TINY, OPT)
@@ -49,6 +50,7 @@ def test_tiny_model_learns_far_below_unigram_baseline(dataset, tmp_path):
   assert {"lr", "grad_norm", "tokens_per_sec", "mfu"} <= set(records[0])
 
 
+@pytest.mark.slow  # end to end: trains, or launches the CLI
 def test_restart_continues_from_saved_step(dataset, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   model_dir = "run"  # a relative MODEL_DIR, as the demo config uses
@@ -83,6 +85,7 @@ def _cli(*args):
                         text=True, timeout=300, env={**os.environ, "XLA_FLAGS": conftest.xla_flags(0)})
 
 
+@pytest.mark.slow  # end to end: trains, or launches the CLI
 def test_cli_bad_input_exits_with_one_line_reason(tmp_path):
   missing = _cli(f"--gin.MODEL_DIR='{tmp_path}/r'", f"--gin.DATA_DIR='{tmp_path}/nope'")
   assert missing.returncode != 0
