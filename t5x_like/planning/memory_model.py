@@ -270,9 +270,8 @@ def compile_train_step(cfg: model_lib.GPTConfig, layout: Layout, global_batch: i
     batch = {k: jax.ShapeDtypeStruct((global_batch, seq_len), jnp.float32 if k == "weights" else jnp.int32,
                                      sharding=batch_sharding) for k in objective.features}
     step = train_step.make_train_step(objective, tx, lr_fn, num_microbatches=layout.num_microbatches,
-                                      precision_config=precision_config)
-    if offload_optimizer:
-      step = offload.with_device_opt_state(step, state_shardings)
+                                      precision_config=precision_config,
+                                      offloaded_shardings=state_shardings if offload_optimizer else None)
     jitted = train_step.jit_train_step(step, state_shardings, batch_sharding, objective.features)
     return jitted.lower(abstract_state, batch, {}).compile()
 

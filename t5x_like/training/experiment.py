@@ -160,12 +160,10 @@ class Experiment:
 
   def train_step_fn(self):
     """The pure step of this run (before jit): the objective under the generic step."""
-    step = step_lib.make_train_step(self.objective, self.tx, self.lr_fn,
-                                    num_microbatches=self.config.num_microbatches,
-                                    precision_config=self.precision_config, trainable_paths=self.trainable_paths)
-    if self.config.offload_optimizer:
-      step = offload.with_device_opt_state(step, self.state_shardings)
-    return step
+    return step_lib.make_train_step(
+        self.objective, self.tx, self.lr_fn, num_microbatches=self.config.num_microbatches,
+        precision_config=self.precision_config, trainable_paths=self.trainable_paths,
+        offloaded_shardings=self.state_shardings if self.config.offload_optimizer else None)
 
   def jit_train_step(self):
     """jit once: state donated, batch and frozen models on their shardings. Call as step(state, batch, frozen)."""

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from t5x_like.parallel import offload
 from t5x_like.training import precision
 from t5x_like.training import trainable as trainable_lib
 from t5x_like.training.objectives.base import Objective
@@ -151,10 +152,17 @@ def eval_step(params, batch: Batch, frozen: Optional[Mapping[str, Any]] = None, 
 
 def make_train_step(objective: Objective, tx: optax.GradientTransformation, lr_fn: Callable, *,
                     num_microbatches: int = 1, precision_config: Optional[precision.PrecisionConfig] = None,
-                    trainable_paths: Optional[frozenset] = None) -> Callable:
-  """`train_step` with everything but (state, batch, frozen) bound: the pure function a run jits."""
-  return functools.partial(train_step, objective=objective, tx=tx, lr_fn=lr_fn, num_microbatches=num_microbatches,
+                    trainable_paths: Optional[frozenset] = None, offloaded_shardings=None) -> Callable:
+  """`train_step` with everything but (state, batch, frozen) bound: the pure function a run jits.
+
+  `offloaded_shardings`: the state shardings from `offload.offload_shardings` (ZeRO-Offload); the host-
+  resident state is then moved to the device inside the step. None = nothing offloaded.
+  """
+  step = functools.partial(train_step, objective=objective, tx=tx, lr_fn=lr_fn, num_microbatches=num_microbatches,
                            precision_config=precision_config, trainable_paths=trainable_paths)
+  if offloaded_shardings is not None:
+    step = offload.with_device_opt_state(step, offloaded_shardings)
+  return step
 
 
 def jit_train_step(step_fn: Callable, state_shardings, batch_sharding, features, frozen_shardings=None):
