@@ -1,5 +1,7 @@
 """The loop and its hooks in-process, with fakes: what runs at which step, preemption, rollback."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -23,18 +25,10 @@ class FakeMeter:
     self.steps += 1
 
   def excluded(self):
-    return _Null()
+    return contextlib.nullcontext()
 
   def summary(self, data_iterator=None):
     return {"loss": 1.0}
-
-
-class _Null:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    return False
 
 
 class FakeGuard:
@@ -56,6 +50,11 @@ class FakeGuard:
     return step == self.preempt_at
 
 
+class State(dict):
+  """A TrainState stand-in: the eval hook reads `.params`."""
+  params = None
+
+
 class Sink:
   def __init__(self):
     self.records = []
@@ -65,7 +64,7 @@ class Sink:
 
 
 def run(train_steps=10, start=0, guard=None, log_every=3, eval_every=4, checkpoint_every=5):
-  events, sink, meter = [], Sink(), FakeMeter()
+  batches_run, sink, meter = [], Sink(), FakeMeter()
   saves, batches = [], []
   log = hooks.LogHook(hooks.Every(log_every, train_steps), meter, [sink])
   evaluate = hooks.EvalHook(hooks.Every(eval_every, train_steps), lambda params: {"eval/loss": 2.0,
@@ -74,21 +73,15 @@ def run(train_steps=10, start=0, guard=None, log_every=3, eval_every=4, checkpoi
                                     lambda step, state: saves.append((step, state["step"])), meter)
 
   def step_fn(state, batch):
-    events.append(batch)
-    return {"step": state["step"] + 1, "params": None}, {"nonfinite": 0}
+    batches_run.append(batch)
+    return State(step=state["step"] + 1), {"nonfinite": 0}
 
   def next_batch(step):
     batches.append(step)
     return step
 
-  class State(dict):
-    @property
-    def params(self):
-      return None
-
-  wrap = lambda fn: (lambda state, batch: (lambda s, m: (State(s), m))(*fn(state, batch)))
   step, state = trainer.run_loop(state=State(step=start), start=start, train_steps=train_steps, next_batch=next_batch,
-                                 step_fn=wrap(step_fn), hooks=[log, evaluate], checkpoint=checkpoint,
+                                 step_fn=step_fn, hooks=[log, evaluate], checkpoint=checkpoint,
                                  guard=guard or FakeGuard(), meter=meter)
   return step, state, sink.records, saves, batches
 
