@@ -19,6 +19,8 @@ PAD_ID = 0
 EOS_ID = 1
 UNK_ID = 2
 BOS_ID = 3
+# Chat-template role markers, kept whole as single pieces in every tokenizer the project trains.
+CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 # SentencePiece skips training sentences longer than this many bytes; we cut documents into
 # line-aligned chunks below it.
 _MAX_SENTENCE_BYTES = 8192
@@ -157,7 +159,7 @@ def train_tokenizer(text_iter_or_files,
                     character_coverage: float = 0.9995,
                     max_training_chars: int | None = 20_000_000,
                     num_threads: int | None = None,
-                    user_defined_symbols: Sequence[str] = ("\n",),
+                    user_defined_symbols: Sequence[str] = ("\n",) + CHAT_TOKENS,
                     **extra_trainer_args) -> Tokenizer:
   """Trains a SentencePiece model with pad=0, eos=1, unk=2, bos=3 and writes it.
 
@@ -176,7 +178,7 @@ def train_tokenizer(text_iter_or_files,
     character_coverage: fraction of characters covered by single-character pieces.
     max_training_chars: documents are read until this many characters (None: all).
     num_threads: trainer threads (default: CPU count).
-    user_defined_symbols: pieces always kept whole ("\\n" by default).
+    user_defined_symbols: pieces always kept whole ("\\n" and the chat role markers by default).
     **extra_trainer_args: passed to `SentencePieceTrainer.train`.
 
   Returns:
