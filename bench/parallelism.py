@@ -118,12 +118,13 @@ def block_stack_seconds(stages: int, microbatches: int, repeats: int) -> float:
   params = partitioning.unbox(blocks.init_stacked_blocks(cfg, jax.random.key(0), cfg.num_layers))
   x = jax.random.normal(jax.random.key(1), (rows, BUBBLE_SEQ, cfg.d_model), jnp.float32)
   segment_ids = jnp.ones((rows, BUBBLE_SEQ), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(BUBBLE_SEQ, dtype=jnp.int32), (rows, BUBBLE_SEQ))
 
   def loss(p, h):
     if stages > 1:
-      out = pipeline.pipeline_blocks(cfg, p, h, segment_ids)
+      out = pipeline.pipeline_blocks(cfg, p, h, segment_ids, positions)
     else:
-      out = blocks.scan_blocks(cfg, p, h, layers.causal_segment_mask(segment_ids))
+      out = blocks.scan_blocks(cfg, p, h, layers.causal_segment_mask(segment_ids), positions)
     return jnp.mean(jnp.square(out))
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):

@@ -48,30 +48,34 @@ def synthetic_batch(seed: int = 0) -> dict:
           "positions": positions, "weights": (segment_ids != 0).astype(np.float32)}
 
 
-def make_layout(mesh_shape: dict, *, remat: str = "none", pipeline_microbatches: int = 0, devices=None):
-  """(mesh, validated model config, model, optimizer, lr schedule) for a mesh layout."""
+def make_layout(mesh_shape: dict, *, remat: str = "none", pipeline_microbatches: int = 0, devices=None, base=CFG):
+  """(mesh, validated model config, model, optimizer, lr schedule) for a mesh layout of the `base` model."""
   mesh = mesh_lib.create_mesh(mesh_shape, devices)
-  cfg = dataclasses.replace(CFG, remat_policy=remat, num_stages=mesh.shape["pipeline"],
+  cfg = dataclasses.replace(base, remat_policy=remat, num_stages=mesh.shape["pipeline"],
                             pipeline_microbatches=pipeline_microbatches)
   cfg.validate()
   model = model_lib.GPT(cfg)
   return mesh, cfg, model, optimizer.make_optimizer(OPT, 10), optimizer.learning_rate_schedule(OPT, 10)
 
 
-@pytest.fixture(scope="module")
-def initial_state():
-  """The initial TrainState as host arrays (one init compile; each layout shards it its own way)."""
-  mesh, _, model, tx, _ = make_layout({"data": 1}, devices=jax.devices()[:1])
+def host_initial_state(base=CFG):
+  """The initial TrainState of `base` as host arrays (one init compile; each layout shards it its own way)."""
+  mesh, _, model, tx, _ = make_layout({"data": 1}, devices=jax.devices()[:1], base=base)
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
     state, _ = train_state.init_state(model, tx, jax.random.key(0), mesh, RULES)
   return jax.tree.map(np.asarray, state)
 
 
+@pytest.fixture(scope="module")
+def initial_state():
+  return host_initial_state()
+
+
 def train(initial, mesh_shape: dict, *, num_microbatches: int = 1, remat: str = "none",
-          pipeline_microbatches: int = 0, devices=None):
+          pipeline_microbatches: int = 0, devices=None, base=CFG):
   """Runs STEPS train steps from `initial` on one batch; returns ([(loss, grad_norm)], params as numpy)."""
   mesh, cfg, model, tx, lr_fn = make_layout(mesh_shape, remat=remat, pipeline_microbatches=pipeline_microbatches,
-                                            devices=devices)
+                                            devices=devices, base=base)
   config_lib.check_layout(cfg, mesh.shape, batch_size=BATCH, num_microbatches=num_microbatches)
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
     _, shardings = train_state.state_shardings(model, tx, mesh, RULES)
@@ -95,13 +99,13 @@ def reference(initial_state):
   return train(initial_state, {"data": 1}, devices=jax.devices()[:1])
 
 
-def assert_same_training(result, reference_run):
+def assert_same_training(result, reference_run, param_atol=PARAM_ATOL):
   (losses, params), (ref_losses, ref_params) = result, reference_run
   np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
   assert losses[-1, 0] < losses[0, 0]  # it trained
   flat, ref_flat = jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params)
   for (path, leaf), ref_leaf in zip(flat, ref_flat):
-    np.testing.assert_allclose(leaf, ref_leaf, atol=PARAM_ATOL, rtol=PARAM_RTOL,
+    np.testing.assert_allclose(leaf, ref_leaf, atol=param_atol, rtol=PARAM_RTOL,
                                err_msg=jax.tree_util.keystr(path))
 
 

@@ -80,11 +80,12 @@ def test_scanned_blocks_equal_unrolled_blocks():
   mask = jnp.ones((2, 1, 8, 8), jnp.bool_) & jnp.tril(jnp.ones((8, 8), jnp.bool_))
   stacked = blocks.init_stacked_blocks(cfg, jax.random.key(0), cfg.num_layers)
   stacked = jax.tree.map(lambda b: b.value, stacked, is_leaf=lambda b: hasattr(b, "value"))
-  scanned = blocks.scan_blocks(cfg, stacked, x, mask)
+  positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
+  scanned = blocks.scan_blocks(cfg, stacked, x, mask, positions)
   block = blocks.block_fn(cfg)
   unrolled = x
   for i in range(cfg.num_layers):
-    unrolled = block(jax.tree.map(lambda p: p[i], stacked), unrolled, mask)
+    unrolled = block(jax.tree.map(lambda p: p[i], stacked), unrolled, mask, positions)
   np.testing.assert_allclose(scanned, unrolled, atol=1e-6)
 
 

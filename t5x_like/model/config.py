@@ -10,6 +10,9 @@ from t5x_like.parallel import layout
 
 REMAT_POLICIES = ("none", "full", "save_dots", "save_attention_out", "offload_dots")
 ATTENTION_IMPLS = ("reference", "xla", "cudnn")
+NORMS = ("layernorm", "rmsnorm")
+MLP_ACTIVATIONS = ("gelu", "swiglu")
+POSITION_EMBEDDINGS = ("learned", "rope")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -29,6 +32,27 @@ class GPTConfig:
   attention_impl: str = "reference"  # reference (einsum) | xla / cudnn (jax.nn.dot_product_attention)
   num_stages: int = 1  # pipeline stages the layer stack is split into (set from the mesh)
   pipeline_microbatches: int = 0  # microbatches streamed through the pipeline; 0 = 2 × num_stages
+  # Architecture options (the defaults are GPT-2; Llama = rmsnorm, swiglu, rope, num_kv_heads, no biases, untied head).
+  norm: str = "layernorm"  # layernorm (scale and bias) | rmsnorm (scale only); epsilon = layer_norm_epsilon
+  mlp_activation: str = "gelu"  # gelu (tanh approximation, GPT-2) | swiglu (silu(mlp_gate(x)) * mlp_in(x))
+  position_embedding: str = "learned"  # learned (a max_len × d_model table) | rope (rotary, no parameters)
+  rope_theta: float = 10000.0  # rotary base period
+  rope_scaling_factor: float = 1.0  # Llama-3 frequency scaling of long wavelengths; 1.0 = none
+  rope_low_freq_factor: float = 1.0  # Llama-3 scaling: wavelengths above original_max_len / this are scaled
+  rope_high_freq_factor: float = 4.0  # Llama-3 scaling: wavelengths below original_max_len / this are kept
+  rope_original_max_len: int = 8192  # Llama-3 scaling: the context length the frequencies were trained for
+  num_kv_heads: int = 0  # key/value heads: 0 = num_heads (multi-head); fewer = grouped-query; 1 = multi-query
+  use_bias: bool = True  # biases on the attention and MLP projections and on an untied lm_head
+  valid_vocab_size: int = 0  # 0 = all rows; else rows ≥ this are padding (for sharding) and masked out of the softmax
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
+
+  @property
+  def fused_qkv(self) -> bool:
+    """Multi-head attention keeps one fused (D, 3, H, Dh) projection; grouped-query splits query and key_value."""
+    return self.kv_heads == self.num_heads
 
   @property
   def head_dim(self) -> int:
@@ -54,6 +78,23 @@ class GPTConfig:
     if self.remat_policy == "offload_dots" and not _has_host_offload():
       raise ValueError(f"GPTConfig.remat_policy='offload_dots' needs a 'pinned_host' memory space, which the "
                        f"{jax.default_backend()} backend does not have; use 'save_dots' or 'full'")
+    for name, value, allowed in (("norm", self.norm, NORMS), ("mlp_activation", self.mlp_activation, MLP_ACTIVATIONS),
+                                 ("position_embedding", self.position_embedding, POSITION_EMBEDDINGS)):
+      if value not in allowed:
+        raise ValueError(f"GPTConfig.{name}={value!r}: expected one of {allowed}")
+    if self.num_kv_heads < 0 or self.num_heads % self.kv_heads:
+      raise ValueError(f"GPTConfig.num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads} "
+                       f"(0 = num_heads)")
+    if self.position_embedding == "rope" and self.head_dim % 2:
+      raise ValueError(f"GPTConfig.position_embedding='rope' needs an even head_dim, got {self.head_dim} "
+                       f"(d_model={self.d_model} / num_heads={self.num_heads})")
+    if self.rope_scaling_factor < 1.0 or self.rope_high_freq_factor <= self.rope_low_freq_factor:
+      raise ValueError(f"GPTConfig rope scaling: need rope_scaling_factor >= 1 and rope_high_freq_factor > "
+                       f"rope_low_freq_factor, got {self.rope_scaling_factor}, {self.rope_high_freq_factor}, "
+                       f"{self.rope_low_freq_factor}")
+    if self.valid_vocab_size < 0 or self.valid_vocab_size > self.vocab_size:
+      raise ValueError(f"GPTConfig.valid_vocab_size={self.valid_vocab_size} must be in [0, vocab_size="
+                       f"{self.vocab_size}]")
     if self.num_layers % self.num_stages:
       raise ValueError(f"GPTConfig.num_layers={self.num_layers} is not divisible by "
                        f"{self.num_stages} pipeline stages")
@@ -61,6 +102,7 @@ class GPTConfig:
   def sharded_dims(self) -> tuple:
     """The widths the rules table shards, with the logical axis that splits each (parallel.layout.check)."""
     return (layout.Dim("GPTConfig.num_heads", self.num_heads, ax.HEADS),
+            layout.Dim("GPTConfig.num_kv_heads", self.kv_heads, ax.KV_HEADS),
             layout.Dim("GPTConfig.d_ff", self.d_ff, ax.MLP),
             layout.Dim("GPTConfig.vocab_size", self.vocab_size, ax.VOCAB),
             layout.Dim("GPTConfig.d_model", self.d_model, ax.EMBED),

@@ -1,4 +1,7 @@
-"""GPT decoder: embeddings → stacked blocks (scanned or pipelined) → LayerNorm → float32 logits."""
+"""The decoder: embeddings → stacked blocks (scanned or pipelined) → final norm → float32 logits.
+
+One model file for GPT-2 and Llama-family architectures: the config picks the norm, MLP, position
+encoding, key/value heads, biases and output head (see GPTConfig)."""
 
 import dataclasses
 import functools
@@ -15,7 +18,7 @@ from t5x_like.parallel import axis_names as ax
 
 
 class GPT(nn.Module):
-  """Token + learned position embeddings → stacked blocks → LayerNorm → float32 logits."""
+  """Token (+ learned position) embeddings → stacked blocks → final norm → float32 logits."""
   config: GPTConfig
 
   @nn.compact
@@ -43,32 +46,31 @@ class GPT(nn.Module):
       segment_ids = jnp.ones((b, t), jnp.int32)
     embedding = self.param("token_embedding", nn.with_logical_partitioning(layers._INIT, (ax.VOCAB, ax.EMBED)),
                            (cfg.vocab_size, cfg.d_model), jnp.float32)
-    pos_table = self.param("position_embedding",
-                           nn.with_logical_partitioning(layers._INIT, (ax.POSITION, ax.EMBED)),
-                           (cfg.max_len, cfg.d_model), jnp.float32)
+    x = layers.lookup(embedding, tokens, ax.VOCAB)
+    if cfg.position_embedding == "learned":
+      pos_table = self.param("position_embedding",
+                             nn.with_logical_partitioning(layers._INIT, (ax.POSITION, ax.EMBED)),
+                             (cfg.max_len, cfg.d_model), jnp.float32)
+      x = x + layers.lookup(pos_table, positions, ax.POSITION)
     blocks = self.param("blocks", lambda r: init_stacked_blocks(cfg, r, cfg.num_layers))
-    x = (layers.lookup(embedding, tokens, ax.VOCAB) + layers.lookup(pos_table, positions, ax.POSITION)
-         ).astype(cfg.compute_dtype)
-    x = layers.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))  # (B, T, D)
+    x = layers.constrain(x.astype(cfg.compute_dtype), (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))  # (B, T, D)
     new_cache = None
     if cache is not None:
-      x, new_cache = self._decode_blocks(blocks, x, segment_ids, cache, cache_index)
+      x, new_cache = self._decode_blocks(blocks, x, segment_ids, positions, cache, cache_index)
     elif cfg.num_stages > 1 and not self.is_initializing():  # init only needs shapes: run sequentially
-      x = pipeline_parallel.pipeline_blocks(cfg, blocks, x, segment_ids)
+      x = pipeline_parallel.pipeline_blocks(cfg, blocks, x, segment_ids, positions)
     else:
-      x = scan_blocks(cfg, blocks, x, layers.causal_segment_mask(segment_ids))
-    x = layers.LayerNorm(dtype=cfg.compute_dtype, epsilon=cfg.layer_norm_epsilon, name="ln_f")(x)
+      x = scan_blocks(cfg, blocks, x, layers.causal_segment_mask(segment_ids), positions)
+    x = layers.norm_layer(cfg.norm)(dtype=cfg.compute_dtype, epsilon=cfg.layer_norm_epsilon, name="ln_f")(x)
+    if not cfg.tie_embeddings:  # created here so init makes it; applied by project_logits
+      layers.DenseGeneral((cfg.d_model,), (cfg.vocab_size,), (ax.EMBED, ax.VOCAB), (ax.VOCAB,),
+                          dtype=cfg.compute_dtype, use_bias=cfg.use_bias, name="lm_head")(x[:, :1])
     if return_hidden and not self.is_initializing():
       return x
-    if cfg.tie_embeddings:
-      logits = project_logits({"token_embedding": embedding}, x, cfg)
-    else:
-      logits = layers.DenseGeneral((cfg.d_model,), (cfg.vocab_size,), (ax.EMBED, ax.VOCAB), (ax.VOCAB,),
-                                   dtype=cfg.compute_dtype, name="lm_head")(x).astype(jnp.float32)
-    logits = layers.constrain(logits, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB))  # (B, T, V) float32
+    logits = project_logits(nn.meta.unbox(self.variables["params"]), x, cfg)  # (B, T, V) float32
     return logits if cache is None else (logits, new_cache)
 
-  def _decode_blocks(self, blocks, x, segment_ids, cache, cache_index):
+  def _decode_blocks(self, blocks, x, segment_ids, positions, cache, cache_index):
     """Blocks over a KV cache: this chunk's keys/values are written at slots cache_index.., and each
     query attends to the filled, non-padding slots at or before its own."""
     block = Block(self.config, parent=None)
@@ -79,7 +81,8 @@ class GPT(nn.Module):
 
     def body(h, layer):
       params, k_cache, v_cache = layer
-      h, (k_new, v_new) = block.apply({"params": params}, h, mask[:, None], (k_cache, v_cache), cache_index)
+      h, (k_new, v_new) = block.apply({"params": params}, h, mask[:, None], positions, (k_cache, v_cache),
+                                      cache_index)
       return h, (k_new, v_new)
 
     x, (k, v) = jax.lax.scan(body, x, (blocks, cache["k"], cache["v"]))
@@ -88,21 +91,28 @@ class GPT(nn.Module):
 
 def project_logits(params, hidden: jax.Array, config: GPTConfig) -> jax.Array:
   """Final hidden states (B, T, D) → float32 logits (B, T, V) with the model's output projection
-  (the tied token embedding, or the untied `lm_head`), vocabulary-sharded like the full model's."""
+  (the tied token embedding, or the untied `lm_head`), vocabulary-sharded like the full model's.
+  Padding rows (≥ valid_vocab_size) get the float32 minimum, so the softmax never picks them."""
   dtype = config.compute_dtype
   if config.tie_embeddings:
     logits = jnp.einsum("btd,vd->btv", hidden.astype(dtype), params["token_embedding"].astype(dtype),
                         preferred_element_type=jnp.float32)
   else:
     head = params["lm_head"]
-    logits = (jnp.einsum("btd,dv->btv", hidden.astype(dtype), head["kernel"].astype(dtype))
-              + head["bias"].astype(dtype)).astype(jnp.float32)
+    logits = jnp.einsum("btd,dv->btv", hidden.astype(dtype), head["kernel"].astype(dtype))
+    if "bias" in head:
+      logits = logits + head["bias"].astype(dtype)
+    logits = logits.astype(jnp.float32)
+  if config.valid_vocab_size and config.valid_vocab_size < config.vocab_size:
+    valid = jnp.arange(config.vocab_size) < config.valid_vocab_size
+    logits = jnp.where(valid, logits, jnp.finfo(jnp.float32).min)
   return layers.constrain(logits, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB))
 
 
 def init_cache(config: GPTConfig, batch: int, length: int, dtype=None) -> dict:
-  """Empty KV cache: k, v (LAYERS, B, length, H, Dh) and the slots' segment ids (B, length), 0 = empty."""
-  shape = (config.num_layers, batch, length, config.num_heads, config.head_dim)
+  """Empty KV cache: k, v (LAYERS, B, length, K, Dh) for the K key/value heads, and the slots' segment ids
+  (B, length), 0 = empty."""
+  shape = (config.num_layers, batch, length, config.kv_heads, config.head_dim)
   dtype = dtype or config.compute_dtype
   return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
           "segment_ids": jnp.zeros((batch, length), jnp.int32)}

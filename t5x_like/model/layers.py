@@ -5,6 +5,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from t5x_like.parallel import axis_names as ax
 
@@ -45,6 +46,50 @@ class LayerNorm(nn.Module):
     return (y * scale + bias).astype(self.dtype)
 
 
+class RMSNorm(nn.Module):
+  """Root-mean-square norm (no centring, no bias) computed in float32, returned in the compute dtype."""
+  dtype: Dtype = jnp.bfloat16
+  epsilon: float = 1e-5
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (ax.NORM,)), (x.shape[-1],))
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.epsilon)
+    return (y * scale).astype(self.dtype)
+
+
+def norm_layer(kind: str):
+  """The norm class a GPTConfig.norm names."""
+  return {"layernorm": LayerNorm, "rmsnorm": RMSNorm}[kind]
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling_factor: float = 1.0, low_freq_factor: float = 1.0,
+                     high_freq_factor: float = 4.0, original_max_len: int = 8192) -> np.ndarray:
+  """Rotary inverse frequencies (head_dim/2,) float64, with Llama-3's long-wavelength scaling when factor > 1:
+  wavelengths longer than original_max_len/low_freq_factor are divided by the factor, those shorter than
+  original_max_len/high_freq_factor are kept, and those between are interpolated smoothly."""
+  inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  if scaling_factor == 1.0:
+    return inv_freq
+  wavelen = 2 * np.pi / inv_freq
+  smooth = (original_max_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+  interpolated = (1 - smooth) * inv_freq / scaling_factor + smooth * inv_freq
+  out = np.where(wavelen > original_max_len / low_freq_factor, inv_freq / scaling_factor, inv_freq)
+  middle = (wavelen <= original_max_len / low_freq_factor) & (wavelen >= original_max_len / high_freq_factor)
+  return np.where(middle, interpolated, out)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotates (B, T, heads, Dh) by each token's position: the two halves of the head (not interleaved pairs) form
+  the complex pairs, as in Hugging Face's Llama. Angles in float32; returned in x's dtype."""
+  angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq, jnp.float32)  # (B, T, Dh/2)
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
 class DenseGeneral(nn.Module):
   """y = x @ kernel (+ bias) over the trailing `len(in_shape)` axes, weights cast to `dtype`."""
   in_shape: tuple
@@ -79,10 +124,13 @@ def causal_segment_mask(segment_ids: jax.Array) -> jax.Array:
 
 
 def reference_attention(q, k, v, mask):
-  """Plain softmax attention. q,k,v: (B, L, H, Dh); mask: (B, 1, Lq, Lk) bool. Softmax in float32."""
-  depth = q.shape[-1]
-  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+  """Plain softmax attention. q: (B, L, H, Dh); k, v: (B, S, K, Dh) with K dividing H (grouped-query: query head h
+  reads key/value head h // (H/K)); mask: (B, 1, L, S) bool. Softmax in float32."""
+  b, length, h, depth = q.shape
+  groups = h // k.shape[2]
+  q = q.reshape(b, length, k.shape[2], groups, depth)
+  logits = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
   logits = logits / jnp.sqrt(depth).astype(jnp.float32)
-  logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  logits = jnp.where(mask[:, :, None], logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  return jnp.einsum("bhqk,bkhd->bqhd", probs, v)  # (B, L, H, Dh)
+  return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, length, h, depth)  # (B, L, H, Dh)

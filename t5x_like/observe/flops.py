@@ -19,10 +19,21 @@ from t5x_like.model import decoder as model_lib
 
 def matmul_params(cfg: model_lib.GPTConfig) -> int:
   """N of the formula: all parameters minus those only gathered (position table, untied input table)."""
-  n = model_lib.count_params(cfg) - cfg.max_len * cfg.d_model
+  n = model_lib.count_params(cfg)
+  if cfg.position_embedding == "learned":
+    n -= cfg.max_len * cfg.d_model
   if not cfg.tie_embeddings:
     n -= cfg.vocab_size * cfg.d_model
   return n
+
+
+def block_projection_params(cfg: model_lib.GPTConfig) -> int:
+  """Weights of one block's projections: query, keys/values (grouped-query: K heads), output, and the MLP's two
+  (GELU) or three (SwiGLU) matrices; biases and norms left out."""
+  d, f = cfg.d_model, cfg.d_ff
+  kv = 2 * d * cfg.kv_heads * cfg.head_dim
+  mlp = (3 if cfg.mlp_activation == "swiglu" else 2) * d * f
+  return 2 * d * d + kv + mlp
 
 
 def _attention_flops(cfg: model_lib.GPTConfig, seq_len: int, causal_halved: bool) -> float:
@@ -52,14 +63,15 @@ def hardware_flops_per_token(cfg: model_lib.GPTConfig, seq_len: int, remat_polic
   """
   policy = cfg.remat_policy if remat_policy is None else remat_policy
   d, f = cfg.d_model, cfg.d_ff
-  block_matmul = 2.0 * (4 * d * d + 2 * d * f)  # forward FLOPs/token of one block's projections
+  block_matmul = 2.0 * block_projection_params(cfg)  # forward FLOPs/token of one block's projections
+  qkv_and_mlp_in = block_projection_params(cfg) - d * d - d * f  # recomputed under save_attention_out
   attn = _attention_flops(cfg, seq_len, causal_halved) / cfg.num_layers  # per layer, forward
   per_layer_fwd = {
       "none": 0.0,
       "offload_dots": 0.0,
       "full": block_matmul + attn,
       "save_dots": attn,
-      "save_attention_out": 2.0 * (3 * d * d + d * f) + attn,
+      "save_attention_out": 2.0 * qkv_and_mlp_in + attn,
   }[policy]
   return train_flops_per_token(cfg, seq_len, causal_halved) + cfg.num_layers * per_layer_fwd
 

@@ -7,6 +7,7 @@
 EMBED = "embed"  # model width of a weight (d_model)
 MLP = "mlp"  # hidden units of the feed-forward block (d_ff)
 HEADS = "heads"  # attention heads
+KV_HEADS = "kv_heads"  # key/value heads of grouped-query attention
 KV = "kv"  # per-head width (head_dim)
 VOCAB = "vocab"  # vocabulary entries
 LAYERS = "layers"  # stacked decoder blocks
@@ -18,6 +19,7 @@ BATCH = "batch"  # sequences
 LENGTH = "length"  # positions inside a sequence
 ACT_EMBED = "activation_embed"  # d_model of an activation (kept whole: the batch owns data/fsdp)
 ACT_HEADS = "activation_heads"  # heads of an activation
+ACT_KV_HEADS = "activation_kv_heads"  # key/value heads of an activation (and of the KV cache)
 ACT_MLP = "activation_mlp"  # hidden units of an activation
 ACT_VOCAB = "activation_vocab"  # logits' vocabulary axis
 STAGE = "stage"  # pipeline stage of a stacked activation or parameter

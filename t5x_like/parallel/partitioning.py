@@ -16,6 +16,7 @@ DEFAULT_RULES: Rules = (
     (ax.EMBED, "fsdp"),
     (ax.MLP, "tensor"),
     (ax.HEADS, "tensor"),
+    (ax.KV_HEADS, "tensor"),  # with multi-query (1 kv head) map this to None: the one head is replicated
     (ax.VOCAB, "tensor"),
     (ax.LAYERS, "pipeline"),
     (ax.STAGE, "pipeline"),
@@ -25,6 +26,7 @@ DEFAULT_RULES: Rules = (
     (ax.POSITION, None),
     (ax.ACT_EMBED, None),
     (ax.ACT_HEADS, "tensor"),
+    (ax.ACT_KV_HEADS, "tensor"),
     (ax.ACT_MLP, "tensor"),
     (ax.ACT_VOCAB, "tensor"),
 )

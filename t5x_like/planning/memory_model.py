@@ -138,7 +138,8 @@ class ResidualProfile:
 
 
 def _trace_rows(cfg: model_lib.GPTConfig, seq_len: int) -> int:
-  taken = {cfg.num_layers, cfg.num_heads, cfg.d_model, cfg.d_ff, cfg.vocab_size, seq_len, cfg.head_dim, 3, 1}
+  taken = {cfg.num_layers, cfg.num_heads, cfg.kv_heads, cfg.d_model, cfg.d_ff, cfg.vocab_size, seq_len,
+           cfg.head_dim, 3, 2, 1}
   return next(p for p in (7, 11, 13, 17, 19, 23, 29, 31) if p not in taken)
 
 
@@ -177,7 +178,7 @@ def residual_profile(cfg: model_lib.GPTConfig, seq_len: int) -> ResidualProfile:
   batch["weights"] = jax.ShapeDtypeStruct((rows, seq_len), jnp.float32)
   gpt = model_lib.GPT(cfg)
   residuals = _saved_residuals(lambda p, b: language_model.LanguageModel(gpt.apply).loss(p, b)[0], params, batch)
-  split_dims = {cfg.num_heads, cfg.d_ff, cfg.vocab_size}
+  split_dims = {cfg.num_heads, cfg.kv_heads, cfg.d_ff, cfg.vocab_size}
   out = dict(layer=0.0, layer_tensor=0.0, head=0.0, head_tensor=0.0, weights=0.0)
   for aval in residuals:
     nbytes = aval.size * aval.dtype.itemsize
