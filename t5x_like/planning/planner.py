@@ -220,7 +220,10 @@ def report(cfg: model_lib.GPTConfig, target: Target, top: int = 10, remat_polici
   hw = target.hardware
   out = [
       f"model: {n_params:,} parameters ({n_params / 1e9:.3f} B; {flops.matmul_params(cfg):,} in matmuls), "
-      f"L={cfg.num_layers} H={cfg.num_heads} d_model={cfg.d_model} d_ff={cfg.d_ff} vocab={cfg.vocab_size}",
+      f"L={cfg.num_layers} H={cfg.num_heads}" + (f" KV={cfg.kv_heads}" if not cfg.fused_qkv else "")
+      + f" d_model={cfg.d_model} d_ff={cfg.d_ff} vocab={cfg.vocab_size}"
+      + f" ({cfg.norm}, {cfg.mlp_activation}, {cfg.position_embedding} positions)",
+      f"6·N·D (N = all parameters, D = tokens): {6 * n_params * target.tokens:.4g}",
       f"FLOPs/token: {per_token:.4g} (6N + 12·L·T·d, attention {'halved' if target.causal_halved else 'not halved'}"
       f"); per step ({target.global_batch} × {target.seq_len} = {tokens_per_step:,} tokens): "
       f"{per_token * tokens_per_step:.4g}; total for {target.tokens:.4g} tokens: {per_token * target.tokens:.4g}",
