@@ -1,0 +1,56 @@
+"""Sequence-length warmup: the schedule, and cutting packed rows into shorter ones without losing a token."""
+
+import numpy as np
+import pytest
+
+from t5x_like.training import curriculum
+
+CFG = curriculum.CurriculumConfig(seq_len_warmup_steps=100, seq_len_start=16, seq_len_multiple=8)
+
+
+def test_length_grows_from_start_to_seq_len_over_the_warmup():
+  got = [curriculum.length_at(CFG, step, 128) for step in range(0, 120)]
+  assert got[0] == 16 and got[99] == 64 and got[100:] == [128] * 20  # 128's divisors: 16, 32, 64, 128
+  assert got == sorted(got) and set(got) == {16, 32, 64, 128}
+  assert all(128 % n == 0 for n in got)
+  # the ramp: at step s the length is the largest allowed one ≤ 16 + 112·s/100 (32 from s = 14.3, 64 from 42.9)
+  assert (got[14], got[15], got[42], got[43]) == (16, 32, 32, 64)
+  assert curriculum.length_at(curriculum.CurriculumConfig(), 0, 128) == 128  # off by default
+
+
+def test_lengths_respect_the_loss_chunk_and_the_multiple():
+  assert curriculum.lengths(CFG, 96) == [16, 24, 32, 48, 96]
+  assert curriculum.lengths(CFG, 96, loss_chunk=32) == [16, 24, 32, 96]  # 48 is not a multiple of 32
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(seq_len_start=0), "seq_len_start=0"),
+    (dict(seq_len_start=300), r"seq_len_start=300 must be in \[1, SEQ_LEN=128\]"),
+    (dict(seq_len_multiple=0), "seq_len_multiple=0"),
+])
+def test_bad_settings_name_the_field(bad, message):
+  with pytest.raises(ValueError, match=message):
+    curriculum.lengths(curriculum.CurriculumConfig(seq_len_warmup_steps=10, **bad), 128)
+
+
+def packed_batch():
+  """Two rows of 16 positions: documents of 5, 7 and 4 tokens, then 10 tokens and 6 of padding."""
+  segment_ids = np.array([[1] * 5 + [2] * 7 + [3] * 4, [1] * 10 + [0] * 6], np.int32)
+  positions = np.array([list(range(5)) + list(range(7)) + list(range(4)), list(range(10)) + [0] * 6], np.int32)
+  inputs = np.arange(32, dtype=np.int32).reshape(2, 16) + 10
+  return {"inputs": inputs, "targets": inputs + 1, "segment_ids": segment_ids, "positions": positions,
+          "weights": (segment_ids != 0).astype(np.float32)}
+
+
+def test_cut_rows_keeps_every_token_in_order_and_restarts_cut_documents():
+  batch = packed_batch()
+  cut = curriculum.cut_rows(batch, 8)
+  assert {k: v.shape for k, v in cut.items()} == {k: (4, 8) for k in batch}
+  for key in ("inputs", "targets", "segment_ids", "weights"):
+    np.testing.assert_array_equal(cut[key].reshape(-1), batch[key].reshape(-1))
+  # row 0 = doc1 (5) + doc2's first 3; row 1 = doc2's last 4 (restarted at 0) + doc3 (4)
+  np.testing.assert_array_equal(cut["positions"], [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 0, 1, 2, 3],
+                                                   [0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 0, 0, 0, 0, 0, 0]])
+  assert curriculum.cut_rows(batch, 16) is batch
+  with pytest.raises(ValueError, match="length 6 does not divide"):
+    curriculum.cut_rows(batch, 6)
