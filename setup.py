@@ -1,6 +1,8 @@
 """t5x_like: a TFRecord-centric GPT trainer on JAX."""
 import setuptools
 
+HF = ["torch==2.13.0", "transformers>=4.45", "safetensors>=0.4", "tokenizers>=0.20"]
+
 setuptools.setup(
     name="t5x_like",
     version="0.1.0",
@@ -27,12 +29,17 @@ setuptools.setup(
         "absl-py>=2.1.0",
         "numpy>=2.0",
         "etils[epath]>=1.7",
+        "safetensors>=0.4",  # python -m t5x_like.convert reads and writes Hugging Face weights (numpy, no torch)
     ],
     extras_require={
         "beam": ["apache-beam>=2.60"],  # preprocess --runner=direct|dataflow|...
         "plot": ["matplotlib>=3.8"],  # python -m t5x_like.plot
         "prometheus": ["prometheus_client>=0.20"],  # ObserveConfig.prometheus_port > 0
-        # Everything the tests exercise, Beam included (the DirectRunner-equals-local-runner test).
-        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "apache-beam>=2.60", "matplotlib>=3.8", "prometheus_client>=0.20"],
+        # Hugging Face transformers (on torch): the reference tests/test_interop.py compares conversions with.
+        # torch is pinned: that CPU wheel is on the CI machine's disk; an unpinned torch pulls a multi-GB CUDA build.
+        "hf": HF,
+        # Everything the tests exercise, Beam and transformers included.
+        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "apache-beam>=2.60", "matplotlib>=3.8", "prometheus_client>=0.20"]
+                + HF,
     },
 )

@@ -22,6 +22,7 @@ ALLOWED = {
     "observe": {"model", "data", "parallel"},
     "training": {"observe", "model", "data", "parallel"},
     "planning": {"training", "observe", "model", "parallel"},
+    "interop": {"training", "model", "data", "parallel"},
     "cli": {"training", "model", "observe", "data", "parallel"},
 }
 

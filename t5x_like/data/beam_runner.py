@@ -18,6 +18,7 @@ from t5x_like.data import packing
 from t5x_like.data import preprocessing as pp
 from t5x_like.data import shard_writer
 from t5x_like.data import text_cleaning
+from t5x_like.data import tokenizer_formats
 from t5x_like.data.text_cleaning import CleaningConfig
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,7 @@ class _TokenizeFile(beam.DoFn):
     self._sp = None
 
   def setup(self):
-    import sentencepiece as spm  # pylint: disable=g-import-not-at-top
-    self._sp = spm.SentencePieceProcessor(model_proto=self._args[0], num_threads=1)
+    self._sp = tokenizer_formats.encoder(self._args[0])
 
   def process(self, element):
     index, path = element
@@ -134,7 +134,7 @@ def run(inputs: Sequence[str] | str, output_dir: str, *, runner: str = "DirectRu
   with beam.Pipeline(options=options) as p:
     docs, counts = (p | "Inputs" >> beam.Create(list(enumerate(files)))
                     | "Reshuffle" >> beam.Reshuffle()
-                    | "Tokenize" >> beam.ParDo(_TokenizeFile(tok.model_proto, cleaning, doc_split,
+                    | "Tokenize" >> beam.ParDo(_TokenizeFile(tok.encoder_model, cleaning, doc_split,
                                                              text_field, tok.eos_id))
                     .with_outputs("counts", main="docs"))
     unique, dup_counts = (docs | "ByHash" >> beam.GroupByKey()
@@ -166,7 +166,7 @@ def run(inputs: Sequence[str] | str, output_dir: str, *, runner: str = "DirectRu
   documents_out = sum(s["num_documents"] for s in splits.values())
   if not documents_out:
     raise ValueError(f"No documents left after cleaning {len(files)} input file(s)")
-  tok.save(shard_writer.join(output_dir, shard_writer.TOKENIZER))
+  tok.save(shard_writer.join(output_dir, tok.filename))
   shard_writer.remove_stale(output_dir, [s["path"] for sp in splits.values() for s in sp["shards"]])
   report = pp.make_report(counts, splits, documents_out)
   extra = {"cleaning": dataclasses.asdict(cleaning), "doc_split": doc_split,

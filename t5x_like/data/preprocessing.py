@@ -105,7 +105,7 @@ def _pool_map(fn: Callable, args: Iterator, num_workers: int, initializer, inita
 def get_tokenizer(files, file_hashes, opts, cache: Cache, num_workers) -> tokenizer_lib.Tokenizer:
   """Loads --tokenizer, or a cached one trained on the same inputs, or trains one."""
   if opts["tokenizer"]:
-    tok = tokenizer_lib.Tokenizer.load(opts["tokenizer"])
+    tok = tokenizer_lib.load(opts["tokenizer"])
   else:
     key = _digest(_CACHE_VERSION, file_hashes, opts["tokenizer_args"], opts["doc_args"])
     cached = cache.path(f"tokenizer-{key}.model")
@@ -134,7 +134,7 @@ def tokenize_inputs(files, file_hashes, tok, cleaning, doc_split, text_field, ca
   todo, keys = [], {}
   bar = Progress("tokenize", len(files), enabled=progress)
   for i, f in enumerate(files):
-    keys[i] = _digest(_CACHE_VERSION, file_hashes[i], tok.sha256,
+    keys[i] = _digest(_CACHE_VERSION, file_hashes[i], tok.encoding_sha256,
                       dataclasses.asdict(cleaning), doc_split, text_field, input_kind(f))
     hit = cache.get_docs(keys[i])
     if hit is not None:
@@ -147,7 +147,7 @@ def tokenize_inputs(files, file_hashes, tok, cleaning, doc_split, text_field, ca
   args = ((read_input(files[i]), input_kind(files[i]), cleaning, doc_split, text_field, tok.eos_id)
           for i in todo)
   for i, docs in zip(todo, _pool_map(text_cleaning.worker_process_file, args, num_workers,
-                                     text_cleaning.init_worker, (tok.model_proto,))):
+                                     text_cleaning.init_worker, (tok.encoder_model,))):
     results[i] = docs
     cache.put_docs(keys[i], docs)
     bar.update(1, int(docs.lengths.sum()))
@@ -257,7 +257,7 @@ def write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed, num
                                  [split_docs[j] for j in plan[i]], pack_length, tok.pad_id,
                                  tok.eos_id, packed_dtype)
         for i in range(n)])
-  tok.save(shard_writer.join(output_dir, shard_writer.TOKENIZER))
+  tok.save(shard_writer.join(output_dir, tok.filename))
   shard_writer.remove_stale(output_dir, [s["path"] for sp in splits.values() for s in sp["shards"]])
   report = make_report(counts, splits, len(docs))
   stats = {k: v for k, v in report.items() if k not in ("documents_tokenized", "cache_hits")}

@@ -147,7 +147,7 @@ def make_manifest(tokenizer, splits: dict, pack_length: int | None, extra: dict)
   """The manifest.json content; see input_pipeline.load_manifest for what readers check."""
   manifest = {
       "format_version": FORMAT_VERSION,
-      "tokenizer": TOKENIZER,
+      "tokenizer": tokenizer.filename,  # tokenizer.model (SentencePiece) or tokenizer.json (HF)
       "tokenizer_sha256": tokenizer.sha256,
       "vocab_size": tokenizer.vocab_size,
       "pad_id": tokenizer.pad_id,

@@ -32,14 +32,20 @@ from t5x_like.training.config import TrainConfig
 from t5x_like.training.objectives import language_model
 
 
+_NO_DATA_DIR = "DATA_DIR is not set: training and evaluation read a prepared dataset (python -m t5x_like.preprocess)"
+
+
 def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
   return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def resolve_model_config(model_config: model_lib.GPTConfig, manifest: dict, mesh, seq_len: int):
+def resolve_model_config(model_config: model_lib.GPTConfig, manifest: Optional[dict], mesh, seq_len: int):
   """Fills the dataset's vocabulary and the mesh's stage count into the model config, then validates."""
+  if manifest is None and not model_config.vocab_size:
+    raise ValueError("GPTConfig.vocab_size is 0 and there is no DATA_DIR to take it from: set DATA_DIR or "
+                     "model.GPTConfig.vocab_size (a converted MODEL_DIR's model.gin does)")
   vocab = model_config.vocab_size or padded_vocab_size(manifest["vocab_size"])
-  if vocab < manifest["vocab_size"]:
+  if manifest is not None and vocab < manifest["vocab_size"]:
     raise ValueError(f"GPTConfig.vocab_size={vocab} is smaller than the dataset's tokenizer "
                      f"({manifest['vocab_size']} pieces)")
   cfg = dataclasses.replace(model_config, vocab_size=vocab, num_stages=mesh.shape["pipeline"])
@@ -67,7 +73,8 @@ class Experiment:
                precision_config: Optional[precision.PrecisionConfig] = None):
     self.config = config
     self.precision_config = precision_config or precision.PrecisionConfig()
-    self.manifest = input_pipeline.load_manifest(config.data_dir)
+    # None without a DATA_DIR: such an Experiment only samples (infer --tokenizer=...).
+    self.manifest = input_pipeline.load_manifest(config.data_dir) if config.data_dir else None
     self.mesh = mesh_lib.create_mesh(config.mesh_shape)
     self.model_config = resolve_model_config(model_config, self.manifest, self.mesh, config.seq_len)
     validate_layout(config, self.mesh, self.model_config)  # before anything compiles
@@ -132,6 +139,8 @@ class Experiment:
 
   def dataset(self, split: str, *, shuffle: bool, repeat: bool):
     """This process's rows of every global batch (see global_batch.process_rows)."""
+    if self.manifest is None:
+      raise ValueError(_NO_DATA_DIR)
     num_streams = self.config.data.data_streams or jax.process_count()
     for s in range(num_streams):
       shards, _ = input_pipeline.host_shards(self.manifest, self.config.data_dir, split, s, num_streams)
@@ -216,14 +225,21 @@ class Experiment:
     return checkpointing.restore_newest_params(self.config.model_dir, abstract, step)
 
   def sample(self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             seed: int = 0, step: Optional[int] = None):
+             seed: int = 0, step: Optional[int] = None, tokenizer: Optional[str] = None):
     """Continues each prompt with the KV-cache sampler from MODEL_DIR's newest readable checkpoint (or `step`).
+
+    `tokenizer`: a .model, tokenizer.json or HF folder to use instead of DATA_DIR's (needed without one).
 
     Returns:
       (checkpoint step, [continuation text per prompt]).
     """
-    tok = tokenizer_lib.Tokenizer.load(input_pipeline.resolve_path(self.config.data_dir,
-                                                                   self.manifest["tokenizer"]))
+    if tokenizer is None and self.manifest is None:
+      raise ValueError("no tokenizer to encode the prompts: set DATA_DIR or pass --tokenizer=PATH "
+                       "(a .model, tokenizer.json or an HF folder)")
+    tok = tokenizer_lib.load(tokenizer or input_pipeline.resolve_path(self.config.data_dir, self.manifest["tokenizer"]))
+    if max(tok.vocab_size, tok.pad_id + 1) > self.model_config.vocab_size:
+      raise ValueError(f"Tokenizer '{tok.path}' has {tok.vocab_size} ids (pad id {tok.pad_id}) but the model's "
+                       f"vocabulary has {self.model_config.vocab_size} rows: not this model's tokenizer")
     encoded = [tok.encode(p) for p in prompts]
     longest = max(len(e) for e in encoded) + max_new_tokens
     if longest > self.model_config.max_len:
@@ -243,6 +259,8 @@ class Experiment:
     Returns:
       {"step", "split", "eval/loss", "eval/perplexity", "eval/tokens", "eval/batches"}.
     """
+    if self.manifest is None:
+      raise ValueError(_NO_DATA_DIR)
     if split not in self.manifest["splits"]:
       raise ValueError(f"DATA_DIR '{self.config.data_dir}' has no split '{split}' "
                        f"(available: {sorted(self.manifest['splits'])})")

@@ -1,0 +1,271 @@
+"""Hugging Face folder → MODEL_DIR (orbax checkpoint + model.gin) and back, tensor by tensor, all or nothing.
+
+`import_hf` fills preallocated float32 parameters one HF tensor at a time (never a second copy of the
+model) and writes checkpoints/0, model.gin (the GPTConfig bindings `--gin_file` takes), hf_config.json
+(the original config.json) and the tokenizer files. `export_hf` restores a checkpoint and writes
+config.json, safetensors and the tokenizer files transformers loads. Both write into a temporary folder
+beside the output and rename it at the end: on any error nothing is left at the output path.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import shutil
+import uuid
+from typing import Iterator, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import sentencepiece as spm
+
+from t5x_like.interop import hf_config
+from t5x_like.interop import hf_weights
+from t5x_like.interop import safetensors_io
+from t5x_like.model import decoder
+from t5x_like.training import checkpointing
+
+CONFIG_FILE = "config.json"
+HF_CONFIG_COPY = "hf_config.json"  # the imported config.json, kept in MODEL_DIR for its token ids
+MODEL_GIN = "model.gin"
+# Files carried between a HF folder and MODEL_DIR as they are: tokenizers (tokenizer.json, SentencePiece,
+# GPT-2's vocab.json + merges.txt), their settings and chat template, and the generation defaults.
+CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                 "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+                 "generation_config.json")
+EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def import_hf(hf_dir: str, output_dir: str) -> decoder.GPTConfig:
+  """Converts a Hugging Face GPT-2 / Llama folder into a new MODEL_DIR.
+
+  Args:
+    hf_dir: a folder with config.json and model.safetensors (or shards + model.safetensors.index.json),
+      float32 / bfloat16 / float16; tokenizer files are copied along when present.
+    output_dir: the MODEL_DIR to create; it must not exist or be empty.
+
+  Returns:
+    The model's GPTConfig (vocabulary padded to a multiple of 128, valid_vocab_size = the real one).
+  """
+  hf = _read_hf_config(hf_dir)
+  arch, config = hf_config.from_hf(hf, os.path.join(hf_dir, CONFIG_FILE))
+  config.validate()
+  _check_tokenizer(hf_dir, config)
+  with safetensors_io.Reader(hf_dir) as reader:
+    entries = hf_weights.expand(hf_weights.table(arch, config, reader.keys()), config.num_layers)
+    _check_tensors(reader, entries, config, arch, hf_dir)
+    with staged_dir(output_dir) as tmp:
+      params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), param_shapes(config))
+      for key, tensor, layer in entries:
+        slot = tensor.slot(params, layer, config)
+        slot[...] = tensor.to_ours(reader.read(key), slot.shape)
+      gin_text = hf_config.model_gin(config, f"Converted from {os.path.abspath(hf_dir)} ({arch}) by "
+                                             f"python -m t5x_like.convert from_hf.")
+      _save_checkpoint(tmp, params, {"converted_from": os.path.abspath(hf_dir), "hf_architecture": arch,
+                                     "gin_config": gin_text, "code_version": checkpointing.code_version()})
+      del params
+      _write_text(os.path.join(tmp, MODEL_GIN), gin_text)
+      _write_text(os.path.join(tmp, HF_CONFIG_COPY), json.dumps(hf, indent=2) + "\n")
+      _copy_carried(hf_dir, tmp)
+  return config
+
+
+def export_hf(model_dir: str, output_dir: str, config: decoder.GPTConfig, *, step: Optional[int] = None,
+              tokenizer: Optional[str] = None, dtype: str = "float32",
+              max_shard_bytes: int = 4 << 30) -> int:
+  """Writes MODEL_DIR's checkpoint as a Hugging Face folder `AutoModelForCausalLM.from_pretrained` loads.
+
+  Args:
+    model_dir: a run or converted MODEL_DIR (or one of its checkpoints/<step> directories).
+    output_dir: the folder to create; it must not exist or be empty.
+    config: the model's GPTConfig (MODEL_DIR/model.gin, or the gin files it trained with); a
+      vocab_size of 0 is read off the checkpoint.
+    step: the checkpoint step; default the newest.
+    tokenizer: a folder whose tokenizer files (and hf_config.json token ids, generation_config.json)
+      are carried over, e.g. the converted MODEL_DIR a fine-tuning run started from; default model_dir.
+    dtype: the stored dtype: float32 (exact), bfloat16 or float16.
+    max_shard_bytes: safetensors shard size; a larger model is written as shards + index.
+
+  Returns:
+    The exported step.
+  """
+  if dtype not in EXPORT_DTYPES:
+    raise ValueError(f"export dtype {dtype!r}: expected one of {list(EXPORT_DTYPES)}")
+  hf_config.export_architecture(config)  # fail before reading anything
+  step, params = checkpointing.restore_params(model_dir, step)
+  if not config.vocab_size:
+    config = dataclasses.replace(config, vocab_size=int(params["token_embedding"].shape[0]))
+  arch = hf_config.export_architecture(config)
+  _check_params(params, config, model_dir)
+  source = tokenizer or model_dir
+  _check_tokenizer(source, config)
+  token_ids = {}
+  if os.path.isfile(os.path.join(source, HF_CONFIG_COPY)):
+    token_ids = {k: v for k, v in _read_json(os.path.join(source, HF_CONFIG_COPY)).items()
+                 if k in hf_config.TOKEN_ID_KEYS}
+  entries = hf_weights.expand(hf_weights.table(arch, config), config.num_layers)
+  store = EXPORT_DTYPES[dtype]
+  itemsize = np.dtype(store).itemsize
+  sizes = {key: int(np.prod(tensor.slot(params, layer, config).shape)) * itemsize for key, tensor, layer in entries}
+
+  def produce(tensor, layer):
+    return tensor.to_hf(tensor.slot(params, layer, config)).astype(store)
+
+  with staged_dir(output_dir) as tmp:
+    _copy_carried(source, tmp)
+    _write_text(os.path.join(tmp, CONFIG_FILE),
+                json.dumps(hf_config.to_hf(config, token_ids, dtype), indent=2) + "\n")
+    safetensors_io.write(tmp, [(key, functools.partial(produce, tensor, layer)) for key, tensor, layer in entries],
+                         sizes.__getitem__, max_shard_bytes)
+  return step
+
+
+# ------------------------------------------------------------------------------------------------------
+# Checks, all made before anything is written.
+
+
+def param_shapes(config: decoder.GPTConfig) -> dict:
+  """Our parameter tree as ShapeDtypeStructs (an abstract init: nothing is allocated)."""
+  boxed = jax.eval_shape(lambda: decoder.GPT(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+  return nn.meta.unbox(boxed["params"])
+
+
+def _check_tensors(reader, entries: list, config, arch: str, hf_dir: str) -> None:
+  """Every tensor the table names exists with the shape the config gives, and nothing is left over."""
+  shapes = jax.tree.map(lambda s: np.broadcast_to(np.float32(0), s.shape), param_shapes(config))
+  where = f"{hf_dir} ({arch})"
+  covered = {t.ours for _, t, _ in entries} | set(hf_weights.zero_leaves(config))
+  leaves = {checkpointing.path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+  if covered != leaves:
+    raise ValueError(f"{where}: the tensor table and the model disagree: parameters without a HF tensor "
+                     f"{sorted(leaves - covered)}, table entries without a parameter {sorted(covered - leaves)}")
+  for key, tensor, layer in entries:
+    if key not in reader:
+      raise ValueError(f"{where}: tensor {key!r} is missing (config.json describes {config.num_layers} layers)")
+    want = tensor.hf_shape(tensor.slot(shapes, layer, config).shape)
+    if reader.shape(key) != want:
+      raise ValueError(f"{where}: tensor {key!r} has shape {reader.shape(key)} but config.json gives {want}")
+  expected = {key for key, _, _ in entries}
+  if config.tie_embeddings:
+    expected.add("lm_head.weight")  # a tied head saved anyway is the embedding again
+  extra = [k for k in reader.keys() if k not in expected and not hf_weights.IGNORED.fullmatch(k)]
+  if extra:
+    raise ValueError(f"{where}: {len(extra)} tensor(s) have no place in this model, e.g. {extra[:3]} "
+                     f"(an architecture variant we do not convert)")
+
+
+def _check_params(params: dict, config: decoder.GPTConfig, model_dir: str) -> None:
+  """The restored tree has exactly the config's parameters and shapes; HF-less leaves are zero."""
+  want = {checkpointing.path_name(p): tuple(s.shape)
+          for p, s in jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]}
+  have = {checkpointing.path_name(p): tuple(np.shape(a)) for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+  for name in sorted(set(want) | set(have)):
+    if want.get(name) != have.get(name):
+      raise ValueError(f"{model_dir}: checkpoint parameter {name!r} has shape {have.get(name)} but the model "
+                       f"config gives {want.get(name)}: pass the gin files the run trained with")
+  for name in hf_weights.zero_leaves(config):
+    node = params
+    for part in name.split("/"):
+      node = node[part]
+    if np.any(node):
+      raise ValueError(f"{model_dir}: {name} is nonzero but {hf_config.export_architecture(config)} has no "
+                       f"output bias: the export would change the model")
+
+
+def tokenizer_size(folder: str) -> Optional[int]:
+  """Token ids the folder's tokenizer can produce (highest id + 1), or None when it has no tokenizer."""
+  path = lambda name: os.path.join(folder, name)  # pylint: disable=unnecessary-lambda-assignment
+  ids = []
+  if os.path.isfile(path("tokenizer.json")):
+    spec = _read_json(path("tokenizer.json"))
+    vocab = spec.get("model", {}).get("vocab") or {}
+    ids += list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1]
+    ids += [t["id"] for t in spec.get("added_tokens") or []]
+  elif os.path.isfile(path("tokenizer.model")):
+    ids.append(spm.SentencePieceProcessor(model_file=path("tokenizer.model")).get_piece_size() - 1)
+  elif os.path.isfile(path("vocab.json")):
+    ids += list(_read_json(path("vocab.json")).values())
+  else:
+    return None
+  if os.path.isfile(path("added_tokens.json")):
+    ids += list(_read_json(path("added_tokens.json")).values())
+  return max(ids) + 1 if ids else None
+
+
+def _check_tokenizer(folder: str, config: decoder.GPTConfig) -> None:
+  size, rows = tokenizer_size(folder), config.valid_vocab_size or config.vocab_size
+  if size is not None and size > rows:
+    raise ValueError(f"{folder}: the tokenizer has {size} tokens but the embedding has {rows} rows "
+                     f"(vocab_size): tokenizer and model disagree")
+
+
+# ------------------------------------------------------------------------------------------------------
+# Files.
+
+
+@contextlib.contextmanager
+def staged_dir(output_dir: str) -> Iterator[str]:
+  """Yields a new temporary folder beside `output_dir`, renamed to it when the block succeeds and
+  deleted when it raises. `output_dir` must not exist or be empty (nothing is overwritten)."""
+  if "://" in output_dir:
+    raise ValueError(f"--output_dir={output_dir}: conversion writes a local folder (copy it to the bucket after)")
+  output_dir = os.path.abspath(output_dir)
+  if os.path.exists(output_dir) and (not os.path.isdir(output_dir) or os.listdir(output_dir)):
+    raise FileExistsError(f"{output_dir} exists and is not empty: choose a new output folder")
+  parent = os.path.dirname(output_dir)
+  os.makedirs(parent, exist_ok=True)
+  tmp = os.path.join(parent, f".{os.path.basename(output_dir)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+  os.mkdir(tmp)  # the user's umask applies, as for any folder they create
+  try:
+    yield tmp
+    if os.path.isdir(output_dir):
+      os.rmdir(output_dir)
+    os.rename(tmp, output_dir)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+
+
+def _save_checkpoint(model_dir: str, params: dict, metadata: dict) -> None:
+  """checkpoints/0 holding {"params": params}, as `checkpointing.restore_params` and warm starts read it."""
+  manager = checkpointing.make_manager(model_dir, max_to_keep=None, async_save=False)
+  try:
+    if not checkpointing.save(manager, 0, {"params": params}, metadata=metadata):
+      raise OSError(f"orbax did not save step 0 in {checkpointing.checkpoint_dir(model_dir)}")
+    manager.wait_until_finished()
+  finally:
+    manager.close()
+
+
+def _read_hf_config(hf_dir: str) -> dict:
+  if not os.path.isdir(hf_dir):
+    raise FileNotFoundError(f"--hf_dir={hf_dir} is not a folder")
+  path = os.path.join(hf_dir, CONFIG_FILE)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{hf_dir}: no {CONFIG_FILE}: not a Hugging Face model folder")
+  return _read_json(path)
+
+
+def _read_json(path: str) -> dict:
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}: not valid JSON ({e})") from e
+
+
+def _write_text(path: str, text: str) -> None:
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(text)
+
+
+def _copy_carried(source: str, target: str) -> list:
+  """Copies the CARRIED_FILES `source` has into `target`; returns their names."""
+  names = [n for n in CARRIED_FILES if os.path.isfile(os.path.join(source, n))]
+  for name in names:
+    shutil.copyfile(os.path.join(source, name), os.path.join(target, name))
+  return names

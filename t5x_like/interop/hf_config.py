@@ -1,0 +1,156 @@
+"""Hugging Face `config.json` ↔ GPTConfig for the GPT-2 and Llama families, refusing what we cannot represent."""
+
+import dataclasses
+import math
+from typing import Optional
+
+from t5x_like.model.config import GPTConfig
+
+GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
+SUPPORTED = {GPT2: "gpt2", LLAMA: "llama"}  # architecture → model_type
+VOCAB_MULTIPLE = 128  # imported vocabularies are padded to a multiple of this, so the vocab axis shards
+GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both the tanh approximation our "gelu" computes
+ROPE_TYPES = ("default", "llama3")
+# Token ids carried from the imported config.json to the exported one (they live in no GPTConfig field).
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# The GPTConfig fields a converted model.gin binds: everything that fixes the function, nothing that fixes
+# the execution (dtype, remat, attention kernel, pipeline stages come from the run's own gin files).
+MODEL_FIELDS = ("vocab_size", "valid_vocab_size", "max_len", "num_layers", "num_heads", "num_kv_heads", "d_model",
+                "d_ff", "tie_embeddings", "use_bias", "norm", "layer_norm_epsilon", "mlp_activation",
+                "position_embedding", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
+                "rope_high_freq_factor", "rope_original_max_len")
+
+
+def padded_vocab(vocab_size: int) -> int:
+  return int(math.ceil(vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
+
+
+def architecture(hf: dict, where: str) -> str:
+  """The supported architecture `hf` (a parsed config.json) describes, or a ValueError naming it."""
+  archs = hf.get("architectures") or []
+  by_type = {t: a for a, t in SUPPORTED.items()}
+  name = archs[0] if archs else by_type.get(hf.get("model_type"), hf.get("model_type"))
+  if name not in SUPPORTED or len(archs) > 1:
+    raise ValueError(f"{where}: architecture {archs or name!r} is not supported; supported: "
+                     + ", ".join(f"{a} (model_type {t!r})" for a, t in SUPPORTED.items()))
+  return name
+
+
+def from_hf(hf: dict, where: str) -> tuple:
+  """(architecture, GPTConfig) of a parsed config.json; the vocabulary is padded to VOCAB_MULTIPLE.
+
+  Raises:
+    ValueError: naming the config key of a feature t5x_like's decoder does not have.
+  """
+  arch = architecture(hf, where)
+  if hf.get("quantization_config"):
+    raise ValueError(f"{where}: quantization_config is set: quantized checkpoints are not supported")
+  config = _from_gpt2(hf, where) if arch == GPT2 else _from_llama(hf, where)
+  vocab = config.vocab_size
+  return arch, dataclasses.replace(config, vocab_size=padded_vocab(vocab), valid_vocab_size=vocab)
+
+
+def _require(hf: dict, key: str, default, allowed: tuple, where: str, why: str):
+  value = hf.get(key, default)
+  if value not in allowed:
+    raise ValueError(f"{where}: {key}={value!r} is not supported ({why}); supported: {list(allowed)}")
+  return value
+
+
+def _from_gpt2(hf: dict, where: str) -> GPTConfig:
+  _require(hf, "activation_function", "gelu_new", GPT2_ACTIVATIONS, where, "our GELU is the tanh approximation")
+  _require(hf, "scale_attn_weights", True, (True,), where, "attention logits are always scaled by 1/sqrt(head_dim)")
+  _require(hf, "scale_attn_by_inverse_layer_idx", False, (False,), where, "no per-layer attention scaling")
+  _require(hf, "add_cross_attention", False, (False,), where, "a decoder-only model has no cross-attention")
+  d_model = hf["n_embd"]
+  return GPTConfig(vocab_size=hf["vocab_size"], max_len=hf["n_positions"], num_layers=hf["n_layer"],
+                   num_heads=hf["n_head"], d_model=d_model, d_ff=hf.get("n_inner") or 4 * d_model,
+                   tie_embeddings=hf.get("tie_word_embeddings", True),
+                   layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5))
+
+
+def rope_settings(hf: dict, where: str) -> dict:
+  """rope_theta and Llama-3 scaling from transformers 5's `rope_parameters` or 4.x's `rope_theta` + `rope_scaling`."""
+  params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+  theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+  kind = params.get("rope_type", params.get("type", "default"))
+  key = "rope_parameters" if "rope_parameters" in hf else "rope_scaling"
+  if kind not in ROPE_TYPES:
+    raise ValueError(f"{where}: {key} rope_type={kind!r} is not supported; supported: {list(ROPE_TYPES)}")
+  out = {"rope_theta": float(theta)}
+  if kind == "llama3":
+    out.update(rope_scaling_factor=float(params["factor"]), rope_low_freq_factor=float(params["low_freq_factor"]),
+               rope_high_freq_factor=float(params["high_freq_factor"]),
+               rope_original_max_len=int(params["original_max_position_embeddings"]))
+  return out
+
+
+def _from_llama(hf: dict, where: str) -> GPTConfig:
+  _require(hf, "hidden_act", "silu", ("silu",), where, "the SwiGLU MLP gates with SiLU")
+  for key in ("sliding_window", "use_sliding_window"):
+    if hf.get(key):
+      raise ValueError(f"{where}: {key}={hf[key]!r} is not supported (attention is full causal)")
+  attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+  if attention_bias != mlp_bias:
+    raise ValueError(f"{where}: attention_bias={attention_bias} but mlp_bias={mlp_bias}: t5x_like has one "
+                     f"use_bias for both")
+  d_model, heads = hf["hidden_size"], hf["num_attention_heads"]
+  head_dim = hf.get("head_dim") or d_model // heads
+  if head_dim * heads != d_model:
+    raise ValueError(f"{where}: head_dim={head_dim} × num_attention_heads={heads} != hidden_size={d_model}: "
+                     f"t5x_like's head_dim is d_model / num_heads")
+  kv_heads = hf.get("num_key_value_heads") or heads
+  return GPTConfig(vocab_size=hf["vocab_size"], max_len=hf.get("max_position_embeddings", 2048),
+                   num_layers=hf["num_hidden_layers"], num_heads=heads, d_model=d_model,
+                   d_ff=hf["intermediate_size"], tie_embeddings=hf.get("tie_word_embeddings", False),
+                   layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), norm="rmsnorm", mlp_activation="swiglu",
+                   position_embedding="rope", num_kv_heads=0 if kv_heads == heads else kv_heads,
+                   use_bias=attention_bias, **rope_settings(hf, where))
+
+
+def export_architecture(config: GPTConfig) -> str:
+  """The Hugging Face architecture that computes what `config` does, or a ValueError saying why none does."""
+  gpt2 = (config.norm == "layernorm" and config.mlp_activation == "gelu" and config.position_embedding == "learned"
+          and config.use_bias and config.kv_heads == config.num_heads)
+  if gpt2:
+    return GPT2
+  if config.norm == "rmsnorm" and config.mlp_activation == "swiglu" and config.position_embedding == "rope":
+    return LLAMA
+  raise ValueError(f"no Hugging Face architecture computes this model (norm={config.norm!r}, "
+                   f"mlp_activation={config.mlp_activation!r}, position_embedding={config.position_embedding!r}, "
+                   f"use_bias={config.use_bias}, num_kv_heads={config.num_kv_heads}): {GPT2} needs layernorm, "
+                   f"gelu, learned, use_bias, no GQA; {LLAMA} needs rmsnorm, swiglu, rope")
+
+
+def to_hf(config: GPTConfig, token_ids: Optional[dict] = None, dtype: str = "float32") -> dict:
+  """The config.json of `config` (transformers ≥ 4.45 and 5.x read it); `token_ids` adds bos/eos/pad ids."""
+  arch = export_architecture(config)
+  vocab = config.valid_vocab_size or config.vocab_size
+  common = {"architectures": [arch], "model_type": SUPPORTED[arch], "vocab_size": vocab,
+            "tie_word_embeddings": config.tie_embeddings, "torch_dtype": dtype,
+            **{k: v for k, v in (token_ids or {}).items() if k in TOKEN_ID_KEYS}}
+  if arch == GPT2:
+    return {**common, "n_positions": config.max_len, "n_embd": config.d_model, "n_layer": config.num_layers,
+            "n_head": config.num_heads, "n_inner": config.d_ff, "activation_function": "gelu_new",
+            "layer_norm_epsilon": config.layer_norm_epsilon, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0, "scale_attn_weights": True}
+  out = {**common, "hidden_size": config.d_model, "intermediate_size": config.d_ff,
+         "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+         "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim, "hidden_act": "silu",
+         "max_position_embeddings": config.max_len, "rms_norm_eps": config.layer_norm_epsilon,
+         "rope_theta": config.rope_theta, "attention_bias": config.use_bias, "mlp_bias": config.use_bias,
+         "attention_dropout": 0.0}
+  if config.rope_scaling_factor != 1.0:
+    out["rope_scaling"] = {"rope_type": "llama3", "factor": config.rope_scaling_factor,
+                           "low_freq_factor": config.rope_low_freq_factor,
+                           "high_freq_factor": config.rope_high_freq_factor,
+                           "original_max_position_embeddings": config.rope_original_max_len}
+  return out
+
+
+def model_gin(config: GPTConfig, source: str) -> str:
+  """model.gin text binding `config`'s MODEL_FIELDS, for `--gin_file=MODEL_DIR/model.gin`."""
+  lines = [f"# {source}", "# Model only: add a run config (configs/runs/...) for dtype, remat and the mesh."]
+  for name in MODEL_FIELDS:
+    lines.append(f"model.GPTConfig.{name} = {getattr(config, name)!r}")
+  return "\n".join(lines) + "\n"

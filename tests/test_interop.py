@@ -1,0 +1,321 @@
+"""Hugging Face interop against the real transformers (CPU): imported models compute HF's logits and greedy
+tokens, exports load in transformers bit-exact, and bad folders fail with one named reason, writing nothing."""
+
+import copy
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+
+from t5x_like import convert  # pylint: disable=g-import-not-at-top
+from t5x_like.interop import hf  # pylint: disable=g-import-not-at-top
+from t5x_like.model import decoder  # pylint: disable=g-import-not-at-top
+from t5x_like.model import decoding  # pylint: disable=g-import-not-at-top
+from t5x_like.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+from t5x_like.parallel import partitioning  # pylint: disable=g-import-not-at-top
+from t5x_like.training import checkpointing  # pylint: disable=g-import-not-at-top
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 300  # not a multiple of 128: the import pads to 384
+TEXT = "the quick brown fox jumps over the lazy dog; hello world, hello there. " * 4
+COMMON = dict(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+# Weights larger than HF's default 0.02 so attention is peaked: a wrong position or head mapping shows.
+INIT = 0.25
+MODELS = {
+    "gpt2": (transformers.GPT2Config, dict(n_positions=64, n_embd=32, n_layer=2, n_head=4, n_inner=64,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    # grouped-query (4 query heads, 2 kv heads), untied head, biases on every projection, rope theta != default
+    "llama_gqa": (transformers.LlamaConfig, dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=2,
+                                                 max_position_embeddings=64, rope_theta=500.0,
+                                                 tie_word_embeddings=False, attention_bias=True, mlp_bias=True)),
+    # multi-head (fused qkv), tied, Llama-3 frequency scaling with all three wavelength regimes at head_dim 8
+    "llama3_scaled": (transformers.LlamaConfig, dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=64, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})),
+}
+
+
+def _save_tokenizer(folder):
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  tok.train_from_iterator([TEXT], tokenizers.trainers.BpeTrainer(
+      vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+  fast.save_pretrained(folder)
+  return fast
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+  return _save_tokenizer(str(tmp_path_factory.mktemp("tokenizer")))
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory, tokenizer):
+  """name → (HF model in float32 eval mode, its saved folder with tokenizer files)."""
+  out = {}
+  for i, (name, (config_cls, kwargs)) in enumerate(MODELS.items()):
+    torch.manual_seed(i)
+    config = config_cls(**COMMON, initializer_range=INIT, **kwargs)
+    config._attn_implementation = "eager"  # pylint: disable=protected-access
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    folder = str(tmp_path_factory.mktemp(name))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out[name] = (model, folder)
+  return out
+
+
+@pytest.fixture(scope="module")
+def imported(hf_models, tmp_path_factory):
+  """name → (MODEL_DIR, float32 GPTConfig, params) of each model converted with from_hf."""
+  out = {}
+  for name, (_, folder) in hf_models.items():
+    model_dir = str(tmp_path_factory.mktemp("imported") / name)
+    config = hf.import_hf(folder, model_dir)
+    _, params = checkpointing.restore_params(model_dir)
+    out[name] = (model_dir, dataclasses.replace(config, dtype="float32"), params)
+  return out
+
+
+def _padded_batch():
+  """(tokens, segment_ids) of three right-padded rows: 12, 7 and 4 real tokens."""
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, VOCAB, (3, 12)).astype(np.int32)
+  segment_ids = (np.arange(12)[None] < np.array([[12], [7], [4]])).astype(np.int32)
+  return tokens * segment_ids, segment_ids
+
+
+def _hf_logits(model, tokens, segment_ids):
+  with torch.no_grad():
+    return model(torch.tensor(tokens, dtype=torch.long),
+                 attention_mask=torch.tensor(segment_ids, dtype=torch.long)).logits.numpy()
+
+
+def _our_logits(config, params, tokens, segment_ids):
+  positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+  return np.asarray(decoder.GPT(config).apply({"params": params}, tokens, positions, segment_ids))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_imported_logits_equal_transformers(name, hf_models, imported):
+  model_dir, config, params = imported[name]
+  assert config.vocab_size == 384 and config.valid_vocab_size == VOCAB
+  assert np.all(params["token_embedding"][VOCAB:] == 0)  # padding rows
+  tokens, segment_ids = _padded_batch()
+  ours = _our_logits(config, params, tokens, segment_ids)
+  theirs = _hf_logits(hf_models[name][0], tokens, segment_ids)
+  valid = segment_ids.astype(bool)
+  assert np.abs(theirs[valid]).max() > 1.0  # logits big enough that a mapping error would show
+  np.testing.assert_allclose(ours[..., :VOCAB][valid], theirs[valid], atol=1e-4, rtol=0)
+  assert ours[..., VOCAB:].max() < -1e9  # padding rows are masked out of the softmax
+  with open(os.path.join(model_dir, "model.gin"), encoding="utf-8") as f:
+    assert f"model.GPTConfig.valid_vocab_size = {VOCAB}" in f.read()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_generation_equals_transformers(name, hf_models, imported):
+  _, config, params = imported[name]
+  prompts = [[5, 17, 42, 9, 250, 33], [7, 260, 11]]  # left-padded to 6
+  tokens, segment_ids = decoding.left_pad(prompts)
+  ours = decoding.generate(params, tokens, segment_ids, jax.random.key(0), config=config, max_new_tokens=10)
+  with torch.no_grad():
+    theirs = hf_models[name][0].generate(torch.tensor(tokens, dtype=torch.long),
+                                         attention_mask=torch.tensor(segment_ids, dtype=torch.long),
+                                         max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+  np.testing.assert_array_equal(np.asarray(ours), theirs[:, tokens.shape[1]:].numpy())
+
+
+def _tensors(folder):
+  out = {}
+  for name in sorted(os.listdir(folder)):
+    if name.endswith(".safetensors"):
+      with safe_open(os.path.join(folder, name), framework="np") as f:
+        out.update({k: f.get_tensor(k) for k in f.keys()})
+  return out
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_export_loads_in_transformers_bit_exact(name, hf_models, imported, tokenizer, tmp_path):
+  model, folder = hf_models[name]
+  model_dir, config, params = imported[name]
+  out = str(tmp_path / "exported")
+  shard = 20_000 if name == "llama_gqa" else 4 << 30  # the GQA model is written as shards + index
+  assert hf.export_hf(model_dir, out, config, max_shard_bytes=shard) == 0
+  assert os.path.isfile(os.path.join(out, "model.safetensors.index.json")) == (name == "llama_gqa")
+  original, exported = _tensors(folder), _tensors(out)
+  assert sorted(exported) == sorted(original)
+  for key, value in original.items():
+    assert exported[key].dtype == value.dtype and np.array_equal(exported[key], value), key
+  loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  assert type(loaded) is type(model)
+  tokens, segment_ids = _padded_batch()
+  valid = segment_ids.astype(bool)
+  np.testing.assert_allclose(_hf_logits(loaded, tokens, segment_ids)[valid],
+                             _our_logits(config, params, tokens, segment_ids)[..., :VOCAB][valid], atol=1e-4, rtol=0)
+  loaded_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+  assert loaded_tokenizer(TEXT).input_ids == tokenizer(TEXT).input_ids
+  if name == "llama3_scaled":
+    assert loaded.config.rope_parameters["rope_type"] == "llama3"
+    assert loaded.config.rope_parameters["factor"] == 8.0
+
+
+def test_sharded_bfloat16_and_float16_inputs_import_exactly(hf_models, imported, tmp_path):
+  model, _ = hf_models["llama_gqa"]
+  _, _, f32_params = imported["llama_gqa"]
+  for torch_dtype, np_dtype in ((torch.bfloat16, jnp.bfloat16), (torch.float16, np.float16)):
+    folder = str(tmp_path / str(torch_dtype))
+    copy.deepcopy(model).to(torch_dtype).save_pretrained(folder, max_shard_size="20KB")
+    assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))
+    hf.import_hf(folder, folder + ".converted")
+    _, params = checkpointing.restore_params(folder + ".converted")
+    want = jax.tree.map(lambda a: np.asarray(a).astype(np_dtype).astype(np.float32), f32_params)
+    jax.tree.map(np.testing.assert_array_equal, params, want)
+    assert jax.tree.leaves(jax.tree.map(lambda a: a.dtype == np.float32, params)) == [True] * len(jax.tree.leaves(params))
+
+
+def test_imported_checkpoint_restores_onto_a_sharded_mesh(imported):
+  """What a warm start does: restore onto abstract params carrying a (data, tensor) mesh's shardings."""
+  model_dir, config, params = imported["llama_gqa"]
+  mesh = mesh_lib.create_mesh({"pipeline": 1, "data": 2, "fsdp": 2, "tensor": 2})
+  boxed = jax.eval_shape(lambda: decoder.GPT(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+  shardings = partitioning.shardings_from_boxed(boxed["params"], mesh, partitioning.DEFAULT_RULES)
+  abstract = checkpointing.abstract_with_shardings(partitioning.unbox(boxed["params"]), shardings)
+  _, restored = checkpointing.restore_params(model_dir, abstract_params=abstract)
+  kernel = restored["blocks"]["attn"]["key_value"]["kernel"]
+  assert kernel.sharding == shardings["blocks"]["attn"]["key_value"]["kernel"]
+  jax.tree.map(lambda r, p: np.testing.assert_array_equal(np.asarray(r), p), restored, params)
+
+
+def test_export_config_from_model_gin(imported):
+  model_dir, config, _ = imported["llama3_scaled"]
+  gin.clear_config()
+  try:
+    got = convert.export_config(model_dir, [], [], ["."])
+  finally:
+    gin.clear_config()
+  assert dataclasses.replace(got, dtype="float32") == config
+
+
+def test_export_refuses_a_nonzero_output_bias(imported, tmp_path):
+  model_dir, config, params = imported["llama_gqa"]
+  assert "bias" in params["lm_head"]  # our untied head has a bias; HF Llama's has none
+  changed = jax.tree.map(np.copy, params)
+  changed["lm_head"]["bias"][3] = 0.5
+  run_dir = str(tmp_path / "run")
+  manager = checkpointing.make_manager(run_dir, async_save=False)
+  checkpointing.save(manager, 7, {"params": changed})
+  manager.close()
+  with pytest.raises(ValueError, match="lm_head/bias is nonzero"):
+    hf.export_hf(run_dir, str(tmp_path / "out"), config)
+  assert not os.path.exists(tmp_path / "out")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad input: one named reason, nothing written.
+
+
+def _edit_config(folder, **changes):
+  path = os.path.join(folder, "config.json")
+  with open(path, encoding="utf-8") as f:
+    config = json.load(f)
+  config.update(changes)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(config, f)
+
+
+def _edit_tensors(folder, edit):
+  path = os.path.join(folder, "model.safetensors")
+  with safe_open(path, framework="np") as f:
+    tensors = {k: f.get_tensor(k) for k in f.keys()}
+  edit(tensors)
+  save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _edit_tokenizer(folder):
+  path = os.path.join(folder, "tokenizer.json")
+  with open(path, encoding="utf-8") as f:
+    spec = json.load(f)
+  spec["added_tokens"].append({**spec["added_tokens"][0], "id": VOCAB + 5, "content": "<|extra|>"})
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(spec, f)
+
+
+BAD = {
+    "no_config": ("gpt2", lambda d: os.remove(os.path.join(d, "config.json")), "no config.json"),
+    "no_weights": ("gpt2", lambda d: os.remove(os.path.join(d, "model.safetensors")), "no weights"),
+    "architecture": ("gpt2", lambda d: _edit_config(d, architectures=["BertForMaskedLM"]),
+                     r"'BertForMaskedLM'\] is not supported; supported: GPT2LMHeadModel .*LlamaForCausalLM"),
+    "shape": ("gpt2", lambda d: _edit_tensors(d, lambda t: t.update(
+        {"transformer.h.1.mlp.c_fc.bias": t["transformer.h.1.mlp.c_fc.bias"][:-1]})),
+              r"'transformer.h.1.mlp.c_fc.bias' has shape \(63,\) but config.json gives \(64,\)"),
+    "missing_tensor": ("gpt2", lambda d: _edit_tensors(d, lambda t: t.pop("transformer.h.0.ln_2.bias")),
+                       "'transformer.h.0.ln_2.bias' is missing"),
+    "extra_tensor": ("gpt2", lambda d: _edit_tensors(d, lambda t: t.update(score=np.zeros((2, 32), np.float32))),
+                     r"have no place in this model, e.g. \['score'\]"),
+    "quantized": ("gpt2", lambda d: _edit_tensors(d, lambda t: t.update(
+        {"transformer.h.1.attn.c_proj.weight": t["transformer.h.1.attn.c_proj.weight"].astype(np.int8)})),
+                  "'transformer.h.1.attn.c_proj.weight' has dtype I8"),
+    "tokenizer": ("gpt2", _edit_tokenizer, "the tokenizer has 306 tokens but the embedding has 300 rows"),
+    "gelu": ("gpt2", lambda d: _edit_config(d, activation_function="gelu"), "activation_function='gelu'"),
+    "rope_type": ("llama3_scaled", lambda d: _edit_config(d, rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+                  "rope_type='yarn' is not supported; supported: \\['default', 'llama3'\\]"),
+    "sliding_window": ("llama3_scaled", lambda d: _edit_config(d, sliding_window=16), "sliding_window=16"),
+    "bias_mismatch": ("llama3_scaled", lambda d: _edit_config(d, attention_bias=True, mlp_bias=False),
+                      "attention_bias=True but mlp_bias=False"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_named_error_and_writes_nothing(case, hf_models, tmp_path):
+  name, edit, message = BAD[case]
+  folder = str(tmp_path / "hf")
+  shutil.copytree(hf_models[name][1], folder)
+  edit(folder)
+  out = tmp_path / "out"
+  with pytest.raises((ValueError, OSError), match=message) as error:
+    hf.import_hf(folder, str(out))
+  assert "\n" not in str(error.value)
+  assert sorted(os.listdir(tmp_path)) == ["hf"]  # neither the output nor a temporary folder
+
+
+def test_output_folder_is_never_overwritten(hf_models, tmp_path):
+  (tmp_path / "out").mkdir()
+  (tmp_path / "out" / "keep.txt").write_text("mine")
+  with pytest.raises(FileExistsError, match="exists and is not empty"):
+    hf.import_hf(hf_models["gpt2"][1], str(tmp_path / "out"))
+  assert os.listdir(tmp_path / "out") == ["keep.txt"]
+
+
+@pytest.mark.slow
+def test_cli_exports_with_model_gin_and_fails_in_one_line(hf_models, imported, tmp_path):
+  run = lambda *args: subprocess.run([sys.executable, "-m", "t5x_like.convert", *args], cwd=REPO,
+                                     capture_output=True, text=True, timeout=300)
+  done = run("to_hf", f"--model_dir={imported['llama_gqa'][0]}", f"--output_dir={tmp_path / 'hf'}")
+  assert done.returncode == 0, done.stderr
+  original, exported = _tensors(hf_models["llama_gqa"][1]), _tensors(str(tmp_path / "hf"))
+  assert sorted(original) == sorted(exported)
+  assert all(np.array_equal(original[k], exported[k]) for k in original)
+  failed = run("from_hf", f"--hf_dir={tmp_path}", f"--output_dir={tmp_path / 'again'}")
+  assert failed.returncode == 1
+  assert failed.stderr.strip().splitlines() == [f"error: {tmp_path}: no config.json: not a Hugging Face model folder"]
+  assert not os.path.exists(tmp_path / "again")
