@@ -14,6 +14,8 @@ from typing import Iterator
 
 import numpy as np
 
+from t5x_like.data import tokenizer_formats
+
 # Cc characters except tab / newline / carriage return, plus BOM, zero-width space and the
 # non-characters U+FFFE / U+FFFF.
 _CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ufeff\u200b\ufffe\uffff]")
@@ -151,7 +153,8 @@ def process_file(raw: bytes, kind: str, config: CleaningConfig, doc_split: str =
     config: cleaning rules.
     doc_split: for text files, "file" or "blank_line".
     text_field: for JSON lines, the field that holds the text.
-    sp: a `sentencepiece.SentencePieceProcessor` or t5x_like Tokenizer; None keeps only hashes.
+    sp: anything with `encode(list[str]) -> list[list[int]]` (a t5x_like tokenizer,
+      `tokenizer_formats.encoder`); None keeps only hashes.
     eos_id: appended to each document.
 
   Returns:
@@ -192,11 +195,11 @@ _worker_sp = None
 
 
 def init_worker(model_proto: bytes | None) -> None:
-  """multiprocessing initializer: one single-threaded SentencePiece processor per worker."""
+  """multiprocessing initializer: one single-threaded encoder per worker, from a SentencePiece model
+  proto or an HF tokenizer.json (a tokenizer's `encoder_model`)."""
   global _worker_sp
   if model_proto is not None:
-    import sentencepiece as spm  # pylint: disable=g-import-not-at-top
-    _worker_sp = spm.SentencePieceProcessor(model_proto=model_proto, num_threads=1)
+    _worker_sp = tokenizer_formats.encoder(model_proto)
 
 
 def worker_process_file(args: tuple) -> FileDocuments:
