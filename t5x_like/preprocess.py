@@ -23,7 +23,8 @@ def define_flags():
   f = flags
   f.DEFINE_multi_string("input", None, "Input glob(s): *.jsonl/*.json(.gz) or plain text files.")
   f.DEFINE_string("output_dir", None, "DATA_DIR to write (local or gs://...).")
-  f.DEFINE_string("tokenizer", None, "Existing SentencePiece .model to use instead of training.")
+  f.DEFINE_string("tokenizer", None, "Existing tokenizer to use instead of training one: a SentencePiece "
+                  ".model, an HF tokenizer.json or an HF folder (tokenizer.json + tokenizer_config.json).")
   f.DEFINE_integer("vocab_size", 8192, "Tokenizer vocabulary size (capped to what the corpus allows).")
   f.DEFINE_enum("model_type", "bpe", ["bpe", "unigram"], "SentencePiece model type.")
   f.DEFINE_bool("byte_fallback", True, "Encode unknown characters as UTF-8 byte pieces.")
