@@ -21,8 +21,11 @@ tokenizers = pytest.importorskip("tokenizers")
 from safetensors import safe_open  # pylint: disable=g-import-not-at-top
 from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
 
+from t5x_like import cli as gin_utils  # pylint: disable=g-import-not-at-top
 from t5x_like import convert  # pylint: disable=g-import-not-at-top
+from t5x_like.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
 from t5x_like.interop import hf  # pylint: disable=g-import-not-at-top
+from t5x_like.interop import hf_config  # pylint: disable=g-import-not-at-top
 from t5x_like.model import decoder  # pylint: disable=g-import-not-at-top
 from t5x_like.model import decoding  # pylint: disable=g-import-not-at-top
 from t5x_like.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
@@ -179,6 +182,20 @@ def test_export_loads_in_transformers_bit_exact(name, hf_models, imported, token
     assert loaded.config.rope_parameters["factor"] == 8.0
 
 
+def test_export_with_a_sentencepiece_tokenizer(imported, tmp_path):
+  """A model trained from scratch ships the SentencePiece model of its DATA_DIR, as tokenizer.json."""
+  model_dir, config, _ = imported["gpt2"]
+  sp = tokenizer_lib.train_tokenizer([TEXT * 20], str(tmp_path / "sp.model"), vocab_size=150,
+                                     byte_fallback=False)
+  assert sp.vocab_size <= VOCAB
+  out = str(tmp_path / "exported")
+  hf.export_hf(model_dir, out, config, tokenizer=sp.path)
+  loaded = transformers.AutoTokenizer.from_pretrained(out)
+  assert loaded(TEXT, add_special_tokens=False).input_ids == sp.encode(TEXT)
+  with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+    assert json.load(f)["eos_token_id"] == sp.eos_id
+
+
 def test_sharded_bfloat16_and_float16_inputs_import_exactly(hf_models, imported, tmp_path):
   model, _ = hf_models["llama_gqa"]
   _, _, f32_params = imported["llama_gqa"]
@@ -206,14 +223,25 @@ def test_imported_checkpoint_restores_onto_a_sharded_mesh(imported):
   jax.tree.map(lambda r, p: np.testing.assert_array_equal(np.asarray(r), p), restored, params)
 
 
-def test_export_config_from_model_gin(imported):
+def test_model_gin_drives_training_and_export(imported, tmp_path):
+  """train/infer/evaluate parse model.gin + a run config; to_hf reads model.gin, or a run's config.gin."""
   model_dir, config, _ = imported["llama3_scaled"]
+  fields = lambda c: {name: getattr(c, name) for name in hf_config.MODEL_FIELDS}
   gin.clear_config()
   try:
-    got = convert.export_config(model_dir, [], [], ["."])
+    gin_utils.parse_gin([os.path.join(model_dir, "model.gin"), "configs/runs/finetune.gin"],
+                        ["MODEL_DIR='/run'", "DATA_DIR='/data'", f"INITIAL_CHECKPOINT_PATH='{model_dir}'"])
+    trained = gin_utils.configured(decoder.GPTConfig, "model")
+    operative = gin.operative_config_str()  # what the trainer writes to MODEL_DIR/config.gin
+    gin.clear_config()
+    exported = convert.export_config(model_dir, [], [], ["."])
+    gin.clear_config()
+    (tmp_path / "config.gin").write_text(operative)
+    from_run = convert.export_config(str(tmp_path), [], [], ["."])
   finally:
     gin.clear_config()
-  assert dataclasses.replace(got, dtype="float32") == config
+  assert fields(trained) == fields(exported) == fields(from_run) == fields(config)
+  assert trained.dtype == "bfloat16"  # the run config's, not the converted model's
 
 
 def test_export_refuses_a_nonzero_output_bias(imported, tmp_path):
@@ -275,7 +303,7 @@ BAD = {
     "quantized": ("gpt2", lambda d: _edit_tensors(d, lambda t: t.update(
         {"transformer.h.1.attn.c_proj.weight": t["transformer.h.1.attn.c_proj.weight"].astype(np.int8)})),
                   "'transformer.h.1.attn.c_proj.weight' has dtype I8"),
-    "tokenizer": ("gpt2", _edit_tokenizer, "the tokenizer has 306 tokens but the embedding has 300 rows"),
+    "tokenizer": ("gpt2", _edit_tokenizer, "the tokenizer has 301 tokens but the embedding has 300 rows"),
     "gelu": ("gpt2", lambda d: _edit_config(d, activation_function="gelu"), "activation_function='gelu'"),
     "rope_type": ("llama3_scaled", lambda d: _edit_config(d, rope_parameters={"rope_type": "yarn", "factor": 4.0}),
                   "rope_type='yarn' is not supported; supported: \\['default', 'llama3'\\]"),

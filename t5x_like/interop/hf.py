@@ -16,13 +16,14 @@ import shutil
 import uuid
 from typing import Iterator, Optional
 
+from absl import logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import sentencepiece as spm
 
+from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.interop import hf_config
 from t5x_like.interop import hf_weights
 from t5x_like.interop import safetensors_io
@@ -54,7 +55,7 @@ def import_hf(hf_dir: str, output_dir: str) -> decoder.GPTConfig:
   hf = _read_hf_config(hf_dir)
   arch, config = hf_config.from_hf(hf, os.path.join(hf_dir, CONFIG_FILE))
   config.validate()
-  _check_tokenizer(hf_dir, config)
+  _check_tokenizer(find_tokenizer(hf_dir), config)
   with safetensors_io.Reader(hf_dir) as reader:
     entries = hf_weights.expand(hf_weights.table(arch, config, reader.keys()), config.num_layers)
     _check_tensors(reader, entries, config, arch, hf_dir)
@@ -85,8 +86,10 @@ def export_hf(model_dir: str, output_dir: str, config: decoder.GPTConfig, *, ste
     config: the model's GPTConfig (MODEL_DIR/model.gin, or the gin files it trained with); a
       vocab_size of 0 is read off the checkpoint.
     step: the checkpoint step; default the newest.
-    tokenizer: a folder whose tokenizer files (and hf_config.json token ids, generation_config.json)
-      are carried over, e.g. the converted MODEL_DIR a fine-tuning run started from; default model_dir.
+    tokenizer: the tokenizer to ship, default model_dir: a folder with Hugging Face tokenizer files
+      (tokenizer.json or tokenizer_config.json; they are copied as they are, with generation_config.json
+      and hf_config.json's token ids), e.g. the converted MODEL_DIR a fine-tuning run started from; or a
+      SentencePiece .model / tokenizer.json / DATA_DIR, written with `save_hf`.
     dtype: the stored dtype: float32 (exact), bfloat16 or float16.
     max_shard_bytes: safetensors shard size; a larger model is written as shards + index.
 
@@ -102,11 +105,9 @@ def export_hf(model_dir: str, output_dir: str, config: decoder.GPTConfig, *, ste
   arch = hf_config.export_architecture(config)
   _check_params(params, config, model_dir)
   source = tokenizer or model_dir
-  _check_tokenizer(source, config)
-  token_ids = {}
-  if os.path.isfile(os.path.join(source, HF_CONFIG_COPY)):
-    token_ids = {k: v for k, v in _read_json(os.path.join(source, HF_CONFIG_COPY)).items()
-                 if k in hf_config.TOKEN_ID_KEYS}
+  tok = find_tokenizer(source)
+  _check_tokenizer(tok, config)
+  token_ids = _token_ids(source, tok, config)
   entries = hf_weights.expand(hf_weights.table(arch, config), config.num_layers)
   store = EXPORT_DTYPES[dtype]
   itemsize = np.dtype(store).itemsize
@@ -116,7 +117,15 @@ def export_hf(model_dir: str, output_dir: str, config: decoder.GPTConfig, *, ste
     return tensor.to_hf(tensor.slot(params, layer, config)).astype(store)
 
   with staged_dir(output_dir) as tmp:
-    _copy_carried(source, tmp)
+    hf_files = os.path.isdir(source) and any(os.path.isfile(os.path.join(source, n))
+                                             for n in (tokenizer_lib.HF_FILE, tokenizer_lib.HF_CONFIG))
+    if hf_files:
+      _copy_carried(source, tmp)
+    elif tok is not None:
+      tok.save_hf(tmp)
+    else:
+      logging.warning("%s has no tokenizer: %s gets none (pass --tokenizer=..., e.g. the converted model this "
+                      "run started from, or its DATA_DIR)", source, output_dir)
     _write_text(os.path.join(tmp, CONFIG_FILE),
                 json.dumps(hf_config.to_hf(config, token_ids, dtype), indent=2) + "\n")
     safetensors_io.write(tmp, [(key, functools.partial(produce, tensor, layer)) for key, tensor, layer in entries],
@@ -176,31 +185,30 @@ def _check_params(params: dict, config: decoder.GPTConfig, model_dir: str) -> No
                        f"output bias: the export would change the model")
 
 
-def tokenizer_size(folder: str) -> Optional[int]:
-  """Token ids the folder's tokenizer can produce (highest id + 1), or None when it has no tokenizer."""
-  path = lambda name: os.path.join(folder, name)  # pylint: disable=unnecessary-lambda-assignment
-  ids = []
-  if os.path.isfile(path("tokenizer.json")):
-    spec = _read_json(path("tokenizer.json"))
-    vocab = spec.get("model", {}).get("vocab") or {}
-    ids += list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1]
-    ids += [t["id"] for t in spec.get("added_tokens") or []]
-  elif os.path.isfile(path("tokenizer.model")):
-    ids.append(spm.SentencePieceProcessor(model_file=path("tokenizer.model")).get_piece_size() - 1)
-  elif os.path.isfile(path("vocab.json")):
-    ids += list(_read_json(path("vocab.json")).values())
-  else:
+def find_tokenizer(path: str):
+  """The tokenizer (data.tokenizer.load) of a folder or file, None for a folder without one."""
+  if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, n))
+                                     for n in (tokenizer_lib.HF_FILE, tokenizer_lib.SENTENCEPIECE_FILE)):
     return None
-  if os.path.isfile(path("added_tokens.json")):
-    ids += list(_read_json(path("added_tokens.json")).values())
-  return max(ids) + 1 if ids else None
+  return tokenizer_lib.load(path)
 
 
-def _check_tokenizer(folder: str, config: decoder.GPTConfig) -> None:
-  size, rows = tokenizer_size(folder), config.valid_vocab_size or config.vocab_size
-  if size is not None and size > rows:
-    raise ValueError(f"{folder}: the tokenizer has {size} tokens but the embedding has {rows} rows "
+def _check_tokenizer(tok, config: decoder.GPTConfig) -> None:
+  rows = config.valid_vocab_size or config.vocab_size
+  if tok is not None and tok.vocab_size > rows:
+    raise ValueError(f"{tok.path}: the tokenizer has {tok.vocab_size} tokens but the embedding has {rows} rows "
                      f"(vocab_size): tokenizer and model disagree")
+
+
+def _token_ids(source: str, tok, config: decoder.GPTConfig) -> dict:
+  """bos/eos/pad ids for config.json: the imported config.json's, else the tokenizer's real tokens."""
+  if os.path.isfile(os.path.join(source, HF_CONFIG_COPY)):
+    return {k: v for k, v in _read_json(os.path.join(source, HF_CONFIG_COPY)).items() if k in hf_config.TOKEN_ID_KEYS}
+  if tok is None:
+    return {}
+  rows = config.valid_vocab_size or config.vocab_size
+  ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+  return {k: v for k, v in ids.items() if 0 <= v < min(rows, tok.vocab_size)}
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -128,7 +128,8 @@ def to_hf(config: GPTConfig, token_ids: Optional[dict] = None, dtype: str = "flo
   vocab = config.valid_vocab_size or config.vocab_size
   common = {"architectures": [arch], "model_type": SUPPORTED[arch], "vocab_size": vocab,
             "tie_word_embeddings": config.tie_embeddings, "torch_dtype": dtype,
-            **{k: v for k, v in (token_ids or {}).items() if k in TOKEN_ID_KEYS}}
+            # written even when unknown: GPT2Config would otherwise default them to GPT-2's 50256
+            **{k: (token_ids or {}).get(k) for k in TOKEN_ID_KEYS}}
   if arch == GPT2:
     return {**common, "n_positions": config.max_len, "n_embd": config.d_model, "n_layer": config.num_layers,
             "n_head": config.num_heads, "n_inner": config.d_ff, "activation_function": "gelu_new",
