@@ -1,6 +1,8 @@
 """`python -m t5x_like.preprocess`: clean -> tokenizer -> balanced TFRecord shards + manifest.json.
 
     python -m t5x_like.preprocess --input='corpus/*.txt' --output_dir=/data/mycorpus [--runner=DirectRunner]
+    python -m t5x_like.preprocess --format=chat --input='sft/*.jsonl' --output_dir=/data/sft \
+        --tokenizer=/data/mycorpus [--gin_file=my_template.gin] [--gin.data.ChatTemplate.separator="''"]
 """
 
 import logging
@@ -10,6 +12,8 @@ from absl import app
 from absl import flags
 import tensorflow as tf
 
+from t5x_like import cli
+from t5x_like.data import chat
 from t5x_like.data import preprocessing
 from t5x_like.data.text_cleaning import CleaningConfig
 
@@ -23,8 +27,16 @@ def define_flags():
   f = flags
   f.DEFINE_multi_string("input", None, "Input glob(s): *.jsonl/*.json(.gz) or plain text files.")
   f.DEFINE_string("output_dir", None, "DATA_DIR to write (local or gs://...).")
+  f.DEFINE_enum("format", "text", ["text", "chat"], "text: documents; chat: JSON-lines conversations "
+                "({messages: [{role, content}]} or {prompt, completion}) with per-token loss weights.")
   f.DEFINE_string("tokenizer", None, "Existing tokenizer to use instead of training one: a SentencePiece "
-                  ".model, an HF tokenizer.json or an HF folder (tokenizer.json + tokenizer_config.json).")
+                  ".model, an HF tokenizer.json or an HF folder (tokenizer.json + tokenizer_config.json), "
+                  "or a DATA_DIR (its tokenizer). --format=chat needs one: the base model's.")
+  f.DEFINE_integer("max_tokens", None, "chat: longest conversation kept, EOS included (default "
+                   "--pack_length): longer ones are cut after the last assistant turn that fits, or "
+                   "dropped when the first one does not.")
+  f.DEFINE_bool("train_on_prompt", False, "chat: loss weight 1 on every token, not only assistant turns.")
+  cli.define_gin_flags()  # chat: the template, bound as data.ChatTemplate.<field>
   f.DEFINE_integer("vocab_size", 8192, "Tokenizer vocabulary size (capped to what the corpus allows).")
   f.DEFINE_enum("model_type", "bpe", ["bpe", "unigram"], "SentencePiece model type.")
   f.DEFINE_bool("byte_fallback", True, "Encode unknown characters as UTF-8 byte pieces.")
@@ -57,6 +69,9 @@ def main(argv) -> None:
   fl = flags.FLAGS
   logging.basicConfig(level=logging.INFO, format="%(message)s")
   try:
+    cli.register(chat.ChatTemplate, "data")
+    if fl.gin_file or fl.gin_bindings:
+      cli.parse_gin(fl.gin_file, fl.gin_bindings, fl.gin_search_paths)
     cleaning = CleaningConfig(non_utf8=fl.non_utf8, strip_html=fl.strip_html,
                               remove_control_chars=fl.remove_control_chars,
                               unicode_form=fl.unicode_form, whitespace=fl.whitespace,
@@ -70,8 +85,14 @@ def main(argv) -> None:
                   pack_length=fl.pack_length, num_workers=fl.num_workers or None,
                   cache_dir=fl.cache_dir if fl.cache else None)
     if fl.runner == "local":
-      report = preprocessing.preprocess(fl.input, fl.output_dir, **kwargs)
+      report = preprocessing.preprocess(fl.input, fl.output_dir, data_format=fl.format,
+                                        chat_template=cli.configured(chat.ChatTemplate, "data"),
+                                        train_on_prompt=fl.train_on_prompt, max_tokens=fl.max_tokens,
+                                        **kwargs)
     else:
+      if fl.format != "text":
+        raise ValueError(f"--format={fl.format} runs with --runner=local only (the Beam runner writes text "
+                         "DATA_DIRs); chat data sets are small enough for one machine")
       if beam_runner is None:
         raise ValueError(f"--runner={fl.runner} needs Apache Beam: pip install 't5x_like[beam]'")
       report = beam_runner.run(fl.input, fl.output_dir, runner=fl.runner,
@@ -88,4 +109,4 @@ if __name__ == "__main__":
     print(f"{__doc__}\n\n{flags.FLAGS.main_module_help()}")
     sys.exit(0)
   flags.mark_flags_as_required(["input", "output_dir"])
-  app.run(main)
+  app.run(main, argv=cli.rewrite_gin_args(sys.argv))

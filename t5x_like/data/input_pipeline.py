@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import posixpath
 import sys
 
@@ -20,6 +21,8 @@ except RuntimeError:  # TF already initialised by the caller; it then decided de
   pass
 
 AUTOTUNE = tf.data.AUTOTUNE
+FORMATS = ("text", "chat")  # manifest "format": what the records hold (a manifest without one is text)
+log = logging.getLogger(__name__)
 _PREPROCESS_HINT = "run python -m t5x_like.preprocess --input=GLOB --output_dir={d}"
 
 
@@ -79,6 +82,8 @@ def load_manifest(data_dir: str, *, verify: str = "size") -> dict:
   for key in ("tokenizer", "tokenizer_sha256", "vocab_size", "pad_id", "eos_id", "splits"):
     if key not in manifest:
       raise ValueError(f"{path} lacks the key '{key}'")
+  if manifest.get("format", "text") not in FORMATS:
+    raise ValueError(f"{path}: format must be one of {FORMATS}, found {manifest['format']!r}")
   tok = resolve_path(data_dir, manifest["tokenizer"])
   if not tf.io.gfile.exists(tok):
     raise FileNotFoundError(f"Tokenizer '{tok}' listed in {path} is missing")
@@ -153,6 +158,42 @@ def _parse_packed_flat(records, *, length: int, dtype: str, pad_id: int):
   return tf.boolean_mask(tokens, tf.not_equal(tokens, pad_id))
 
 
+def _parse_chat(serialized):
+  """(K,) serialized chat Examples -> (tokens, weights), each ragged int32 (K, None)."""
+  spec = {k: tf.io.RaggedFeature(tf.int64) for k in ("tokens", "weights")}
+  docs = tf.io.parse_example(serialized, spec)
+  return tf.cast(docs["tokens"], tf.int32), tf.cast(docs["weights"], tf.int32)
+
+
+def _cut(tokens, weights, *, length: int):
+  return tokens[:length], weights[:length]
+
+
+def _pack_documents(docs: tf.data.Dataset, *, length: int, pad_id: int, flush: bool) -> tf.data.Dataset:
+  """(tokens, weights) documents -> rows (4, length) holding whole documents, never split across rows
+  (`packing.pack_documents_np`'s next-fit, as a scan: its state is in the iterator checkpoint).
+
+  A document longer than `length` is cut to it. `flush`: also emit the last, partly filled row (a
+  finite dataset).
+  """
+  docs = docs.map(functools.partial(_cut, length=length))
+  if flush:  # a full-length document forces out the row before it and is itself never emitted
+    docs = docs.concatenate(tf.data.Dataset.from_tensors(
+        (tf.fill([length], pad_id), tf.zeros([length], tf.int32))))
+  initial, step = packing.pack_documents_step(length, pad_id)
+  return docs.scan(initial, step).filter(_is_finished).map(_finished_row)
+
+
+def _is_finished(row, finished):
+  del row
+  return finished
+
+
+def _finished_row(row, finished):
+  del finished
+  return row
+
+
 def _to_rows(tokens, *, length: int, pad_id: int, eos_id: int):
   """A flat chunk of the token stream -> segmented rows of `length` (the last one padded)."""
   pad = (-tf.size(tokens)) % length
@@ -203,6 +244,10 @@ def make_dataset(data_dir: str, split: str, *, batch_size: int, seq_len: int, se
   data (manifest packed_length == seq_len + 1) is read with its stored segment ids and positions,
   without repacking; other lengths are repacked from its tokens.
 
+  Chat data (manifest format "chat") stores a loss weight per token: rows hold whole conversations
+  (next-fit in read order, `packing.pack_documents_np`; one longer than a row is cut to it), and a
+  batch's weights are the segment validity above times the stored weight of each target token.
+
   Shuffling is in two levels, both pure functions of (seed, position), so the iterator checkpoint
   holds no buffer: shard order is reshuffled each epoch, and rows are permuted within consecutive
   blocks of `shuffle_buffer` rows (a vectorized permutation instead of a per-row shuffle buffer).
@@ -249,12 +294,26 @@ def make_dataset(data_dir: str, split: str, *, batch_size: int, seq_len: int, se
   ds = files.interleave(read, cycle_length=cycle_length or min(len(shards), 8), block_length=1,
                         num_parallel_calls=num_parallel_reads, deterministic=True)
   packed = manifest.get("packed_length")
+  chat = manifest.get("format", "text") == "chat"
   block = shuffle_buffer if shuffle else batch_size  # rows
   if packed == length:  # pre-packed rows with their segment ids and positions: no repacking
-    parse = functools.partial(packing.parse_packed, length=length, dtype=manifest["packed_dtype"])
+    parse = functools.partial(packing.parse_packed, length=length, dtype=manifest["packed_dtype"],
+                              channels=4 if chat else 3)
     ds = ds.map(parse, num_parallel_calls=AUTOTUNE, deterministic=True)
     if shuffle:
       ds = ds.rebatch(block, drop_remainder=False)
+  elif chat and packed:
+    raise ValueError(f"DATA_DIR '{data_dir}' holds chat rows pre-packed to {packed} tokens: read it with "
+                     f"seq_len={packed - 1} (got {seq_len}), or preprocess it again without --pack_length")
+  elif chat:  # whole conversations with their loss weights, packed into rows without splitting any
+    longest = manifest["splits"][split].get("max_document_tokens", 0)
+    if longest > length:
+      log.warning("DATA_DIR '%s' split '%s' has conversations of up to %d tokens: those longer than "
+                  "seq_len + 1 = %d are cut to it (preprocess --max_tokens drops or cuts them at a turn "
+                  "boundary instead)", data_dir, split, longest, length)
+    ds = ds.map(_parse_chat, num_parallel_calls=AUTOTUNE, deterministic=True).unbatch()
+    ds = _pack_documents(ds, length=length, pad_id=pad_id, flush=not repeat)
+    ds = ds.batch(block, drop_remainder=False)
   else:
     if packed:
       parse = functools.partial(_parse_packed_flat, length=packed, dtype=manifest["packed_dtype"],

@@ -16,6 +16,8 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import tensorflow as tf
 
+from t5x_like.data import chat
+from t5x_like.data import input_pipeline
 from t5x_like.data import packing
 from t5x_like.data.tokenization_cache import CACHE_VERSION as _CACHE_VERSION
 from t5x_like.data.tokenization_cache import Cache
@@ -156,6 +158,69 @@ def tokenize_inputs(files, file_hashes, tok, cleaning, doc_split, text_field, ca
   return results, counts
 
 
+def resolve_tokenizer_path(path: str) -> str:
+  """--tokenizer as a file: a DATA_DIR (a folder with manifest.json) means the tokenizer it lists."""
+  if tf.io.gfile.isdir(path) and tf.io.gfile.exists(shard_writer.join(path, shard_writer.MANIFEST)):
+    return input_pipeline.resolve_path(path, input_pipeline.load_manifest(path, verify="none")["tokenizer"])
+  return path
+
+
+def preprocess_chat(inputs: Sequence[str] | str, output_dir: str, *, tokenizer: str | None,
+                    template: chat.ChatTemplate = chat.ChatTemplate(), train_on_prompt: bool = False,
+                    max_tokens: int | None = None, num_train_shards: int = 4,
+                    num_validation_shards: int = 1, validation_fraction: float = 0.01, seed: int = 0,
+                    pack_length: int | None = None, dedup: bool = True) -> dict:
+  """Builds a chat DATA_DIR (format "chat": tokens and per-token loss weights) from JSON lines.
+
+  Each line is a conversation (see `chat.parse_conversation` for the shapes) rendered by `template`
+  and ending in EOS: one document. Content is used as written (no text cleaning). Malformed lines are
+  counted by reason and the first few named by file:line; exact duplicates are dropped.
+
+  Args:
+    tokenizer: the base model's tokenizer: a DATA_DIR (its tokenizer), or a tokenizer file.
+    template, train_on_prompt: see `chat.ChatEncoder`.
+    max_tokens: longest conversation kept, EOS included (default: pack_length; None: no limit);
+      longer ones are cut or dropped by `chat.truncate`'s rule.
+    Others: as `preprocess`.
+  """
+  if not tokenizer:
+    raise ValueError("--format=chat needs --tokenizer: the base model's DATA_DIR, .model or tokenizer.json")
+  if max_tokens is None:
+    max_tokens = pack_length
+  elif max_tokens < 2 or (pack_length and max_tokens > pack_length):
+    raise ValueError(f"--max_tokens={max_tokens} must be >= 2 and <= --pack_length={pack_length}")
+  files = expand_inputs(inputs)
+  for f in files:
+    if input_kind(f) != "jsonl":
+      raise ValueError(f"--format=chat reads JSON lines: --input file '{f}' is not *.jsonl / *.json(.gz)")
+  tok = get_tokenizer(files, None, {"tokenizer": resolve_tokenizer_path(tokenizer)}, Cache(None), 1)
+  encoder = chat.ChatEncoder(tok, template, train_on_prompt=train_on_prompt)
+  counts = collections.Counter()
+  texts = [(f, text_cleaning.fix_invalid_utf8(text_cleaning.decode_utf8(read_input(f)), "replace", counts))
+           for f in files]
+  result = chat.read_conversations(texts, encoder, max_tokens)
+  counts.update(result.counts)
+  docs, weights, hashes, seen = [], [], [], set()
+  for d in result.docs:
+    h = hashlib.sha256(d.ids.tobytes() + d.weights.tobytes()).digest()[:16]
+    if dedup and h in seen:
+      counts["dropped_duplicate"] += 1
+      continue
+    seen.add(h)
+    docs.append(d.ids)
+    weights.append(d.weights)
+    hashes.append(h)
+  if not docs:
+    raise ValueError(f"No conversations left in {len(files)} input file(s) (dropped: "
+                     f"{_by_prefix(counts, 'dropped_')}; first: {result.malformed_lines[:1]})")
+  extra = {"inputs": len(files), "chat_template": dataclasses.asdict(template),
+           "train_on_prompt": train_on_prompt, "max_tokens": max_tokens}
+  report = write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed, num_train_shards,
+                          num_validation_shards, pack_length, counts, extra, weights=weights)
+  report["malformed_lines"] = result.malformed_lines
+  return report
+
+
 def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int = 8192,
                tokenizer: str | None = None, model_type: str = "bpe", byte_fallback: bool = True,
                character_coverage: float = 0.9995, max_tokenizer_chars: int | None = 20_000_000,
@@ -163,7 +228,9 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
                validation_fraction: float = 0.01, seed: int = 0, text_field: str = "text",
                doc_split: str = "file", cleaning: CleaningConfig = CleaningConfig(),
                pack_length: int | None = None, num_workers: int | None = None,
-               cache_dir: str | None = "", progress: bool = True) -> dict:
+               cache_dir: str | None = "", progress: bool = True, data_format: str = "text",
+               chat_template: chat.ChatTemplate = chat.ChatTemplate(), train_on_prompt: bool = False,
+               max_tokens: int | None = None) -> dict:
   """Builds a DATA_DIR from text / JSON-lines inputs; returns the report (also in the manifest).
 
   Args:
@@ -182,6 +249,8 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
     num_workers: tokenization processes (default: CPU count).
     cache_dir: "" -> `output_dir/.cache`; None disables caching.
     progress: log progress lines.
+    data_format: "text", or "chat": conversations with loss weights (`preprocess_chat`, which
+      takes chat_template, train_on_prompt, max_tokens; needs `tokenizer`; no cleaning or cache).
 
   Returns:
     The report: documents in/out, tokens, dropped and changed counts by rule, time, tokens/s.
@@ -193,6 +262,18 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
     raise ValueError(f"--validation_fraction must be in [0, 1), got {validation_fraction}")
   if pack_length is not None and pack_length < 2:
     raise ValueError(f"--pack_length must be >= 2, got {pack_length}")
+  if data_format not in shard_writer.FEATURES:
+    raise ValueError(f"--format must be one of {sorted(shard_writer.FEATURES)}, got '{data_format}'")
+  if data_format == "chat":
+    report = preprocess_chat(inputs, output_dir, tokenizer=tokenizer, template=chat_template,
+                             train_on_prompt=train_on_prompt, max_tokens=max_tokens,
+                             num_train_shards=num_train_shards, num_validation_shards=num_validation_shards,
+                             validation_fraction=validation_fraction, seed=seed, pack_length=pack_length,
+                             dedup=cleaning.dedup)
+    elapsed = time.time() - t0
+    report.update(time_s=round(elapsed, 3), tokens_per_s=round(report["tokens"] / max(elapsed, 1e-9)))
+    return report
+  tokenizer = resolve_tokenizer_path(tokenizer) if tokenizer else None
   text_cleaning.split_documents("", doc_split)  # validates doc_split
   files = expand_inputs(inputs)
   num_workers = num_workers or os.cpu_count() or 1
@@ -239,8 +320,11 @@ def _by_prefix(counts, prefix: str) -> dict:
 
 
 def write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed, num_train_shards,
-                   num_validation_shards, pack_length, counts, extra) -> dict:
-  """Splits, shards and writes documents, then the tokenizer and manifest (manifest last)."""
+                   num_validation_shards, pack_length, counts, extra, weights=None) -> dict:
+  """Splits, shards and writes documents, then the tokenizer and manifest (manifest last).
+
+  `weights`: one loss-weight array per document (a chat DATA_DIR), or None (text).
+  """
   tf.io.gfile.makedirs(output_dir)
   manifest_path = shard_writer.join(output_dir, shard_writer.MANIFEST)
   if tf.io.gfile.exists(manifest_path):  # an interrupted rewrite must not leave a valid manifest
@@ -251,18 +335,22 @@ def write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed, num
   for split, mask, n in (("train", ~is_val, num_train_shards),
                          ("validation", is_val, num_validation_shards)):
     split_docs = [d for d, m in zip(docs, mask) if m]
+    split_weights = None if weights is None else [w for w, m in zip(weights, mask) if m]
     plan = shard_writer.plan_shards([len(d) for d in split_docs], n, seed)
     splits[split] = shard_writer.split_entry([
         shard_writer.write_shard(output_dir, shard_writer.shard_name(split, i, n),
                                  [split_docs[j] for j in plan[i]], pack_length, tok.pad_id,
-                                 tok.eos_id, packed_dtype)
+                                 tok.eos_id, packed_dtype,
+                                 None if weights is None else [split_weights[j] for j in plan[i]])
         for i in range(n)])
+    if weights is not None:  # the pipeline warns when conversations are longer than its rows
+      splits[split]["max_document_tokens"] = max((len(d) for d in split_docs), default=0)
   tok.save(shard_writer.join(output_dir, tok.filename))
   shard_writer.remove_stale(output_dir, [s["path"] for sp in splits.values() for s in sp["shards"]])
   report = make_report(counts, splits, len(docs))
   stats = {k: v for k, v in report.items() if k not in ("documents_tokenized", "cache_hits")}
-  manifest = shard_writer.make_manifest(tok, splits, pack_length,
-                                        dict(extra, seed=seed, stats=stats))
+  manifest = shard_writer.make_manifest(tok, splits, pack_length, dict(extra, seed=seed, stats=stats),
+                                        data_format="text" if weights is None else "chat")
   shard_writer.write_json(manifest_path, manifest)
   return report
 
@@ -291,5 +379,7 @@ def format_report(report: dict) -> str:
   for k, v in report.items():
     if isinstance(v, dict):
       v = ", ".join(f"{a}={b}" for a, b in v.items()) or "-"
+    elif isinstance(v, list):
+      v = "; ".join(str(x).replace("|", "\\|") for x in v) or "-"
     rows.append(f"| {k} | {v} |")
   return "\n".join(rows)

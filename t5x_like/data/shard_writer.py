@@ -19,6 +19,8 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.model"
 SPLITS = ("train", "validation")
+# The per-token features each record format stores ("weights": 0/1 loss weight of predicting the token).
+FEATURES = {"text": ("tokens",), "chat": ("tokens", "weights")}
 
 
 def join(base: str, rel: str) -> str:
@@ -82,10 +84,13 @@ def pack_rows(docs: Iterable[np.ndarray], length: int, pad_id: int) -> np.ndarra
   return out.reshape(rows, length)
 
 
-def serialize(tokens: np.ndarray) -> bytes:
-  """One `tf.train.Example` with int64 feature "tokens"."""
-  feature = tf.train.Feature(int64_list=tf.train.Int64List(value=np.asarray(tokens).tolist()))
-  return tf.train.Example(features=tf.train.Features(feature={"tokens": feature})).SerializeToString()
+def serialize(tokens: np.ndarray, weights: np.ndarray | None = None) -> bytes:
+  """One `tf.train.Example` with int64 feature "tokens" (and "weights", the per-token loss weights)."""
+  int64 = lambda x: tf.train.Feature(int64_list=tf.train.Int64List(value=np.asarray(x).tolist()))
+  feature = {"tokens": int64(tokens)}
+  if weights is not None:
+    feature["weights"] = int64(weights)
+  return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
 
 
 def write_records(path: str, records: Iterable[bytes]) -> dict:
@@ -102,13 +107,23 @@ def write_records(path: str, records: Iterable[bytes]) -> dict:
 
 
 def write_shard(output_dir: str, name: str, docs: Sequence[np.ndarray], pack_length: int | None,
-                pad_id: int, eos_id: int = 1, packed_dtype: str = "uint16") -> dict:
-  """Writes one shard of documents (or of packed rows) and returns its manifest entry."""
-  if pack_length:
+                pad_id: int, eos_id: int = 1, packed_dtype: str = "uint16",
+                weights: Sequence[np.ndarray] | None = None) -> dict:
+  """Writes one shard of documents (or of packed rows) and returns its manifest entry.
+
+  With `weights` (chat data: one loss-weight array per document), records carry them next to the
+  tokens, and packed rows hold whole documents (`packing.pack_documents_np`) with a weights channel.
+  """
+  if pack_length and weights is not None:
+    records = (packing.serialize_packed_row(row, packed_dtype)
+               for row in packing.pack_documents_np(zip(docs, weights), pack_length, pad_id))
+  elif pack_length:
     rows = pack_rows(docs, pack_length, pad_id)
     segments, positions = packing.segment_rows_np(rows, pad_id, eos_id)
-    records = (packing.serialize_packed_row(*x, packed_dtype)
+    records = (packing.serialize_packed_row(np.stack(x), packed_dtype)
                for x in zip(rows, segments, positions))
+  elif weights is not None:
+    records = (serialize(d, w) for d, w in zip(docs, weights))
   else:
     records = (serialize(d) for d in docs)
   entry = {"path": name, "num_documents": len(docs),
@@ -143,8 +158,12 @@ def remove_stale(output_dir: str, keep: Iterable[str]) -> list[str]:
   return removed
 
 
-def make_manifest(tokenizer, splits: dict, pack_length: int | None, extra: dict) -> dict:
-  """The manifest.json content; see input_pipeline.load_manifest for what readers check."""
+def make_manifest(tokenizer, splits: dict, pack_length: int | None, extra: dict,
+                  data_format: str = "text") -> dict:
+  """The manifest.json content; see input_pipeline.load_manifest for what readers check.
+
+  `data_format`: "text" (records hold tokens) or "chat" (tokens and per-token loss weights).
+  """
   manifest = {
       "format_version": FORMAT_VERSION,
       "tokenizer": tokenizer.filename,  # tokenizer.model (SentencePiece) or tokenizer.json (HF)
@@ -156,12 +175,14 @@ def make_manifest(tokenizer, splits: dict, pack_length: int | None, extra: dict)
       "unk_id": tokenizer.unk_id,
       "eos_appended": True,          # every document in the records ends in exactly one EOS
       "packed_length": pack_length,  # None: one document per record; N: rows of N tokens, 0-padded
+      "format": data_format,
+      "features": list(FEATURES[data_format]),
   }
-  if pack_length:  # raw little-endian rows with their segment ids and positions
+  if pack_length:  # raw little-endian rows with their segment ids and positions (and chat's weights)
     manifest["record_format"] = packing.RECORD_FORMAT
     manifest["packed_dtype"] = packing.packed_dtype(tokenizer.vocab_size, pack_length)
   else:
-    manifest["record_format"] = "example"  # tf.train.Example, int64 feature "tokens" = one document
+    manifest["record_format"] = "example"  # tf.train.Example, int64 "tokens" (chat: and "weights") = one document
   manifest["splits"] = splits
   manifest.update(extra)
   return manifest
