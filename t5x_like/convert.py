@@ -38,9 +38,7 @@ def export_config(model_dir: str, gin_files, gin_bindings, search_paths) -> mode
   or MODEL_DIR/config.gin (a run's operative config); then the --gin.NAME=VALUE bindings."""
   files = list(gin_files)
   if not files:
-    base = model_dir.rstrip("/")
-    if os.path.basename(os.path.dirname(base)) == "checkpoints":  # MODEL_DIR/checkpoints/<step>
-      base = os.path.dirname(os.path.dirname(base))
+    base = hf.run_dir(model_dir)
     found = [p for p in (f"{base}/{hf.MODEL_GIN}", f"{base}/config.gin") if tf.io.gfile.exists(p)]
     if not found:
       raise FileNotFoundError(f"{base} has no {hf.MODEL_GIN} or config.gin: pass the model config with "

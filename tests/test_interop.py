@@ -116,7 +116,7 @@ def _hf_logits(model, tokens, segment_ids):
 
 def _our_logits(config, params, tokens, segment_ids):
   positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
-  return np.asarray(decoder.GPT(config).apply({"params": params}, tokens, positions, segment_ids))
+  return np.asarray(jax.jit(decoder.GPT(config).apply)({"params": params}, tokens, positions, segment_ids))
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -135,7 +135,7 @@ def test_imported_logits_equal_transformers(name, hf_models, imported):
     assert f"model.GPTConfig.valid_vocab_size = {VOCAB}" in f.read()
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])  # learned positions; rope + grouped-query kv cache
 def test_greedy_generation_equals_transformers(name, hf_models, imported):
   _, config, params = imported[name]
   prompts = [[5, 17, 42, 9, 250, 33], [7, 260, 11]]  # left-padded to 6

@@ -104,7 +104,7 @@ def export_hf(model_dir: str, output_dir: str, config: decoder.GPTConfig, *, ste
     config = dataclasses.replace(config, vocab_size=int(params["token_embedding"].shape[0]))
   arch = hf_config.export_architecture(config)
   _check_params(params, config, model_dir)
-  source = tokenizer or model_dir
+  source = tokenizer or run_dir(model_dir)
   tok = find_tokenizer(source)
   _check_tokenizer(tok, config)
   token_ids = _token_ids(source, tok, config)
@@ -183,6 +183,14 @@ def _check_params(params: dict, config: decoder.GPTConfig, model_dir: str) -> No
     if np.any(node):
       raise ValueError(f"{model_dir}: {name} is nonzero but {hf_config.export_architecture(config)} has no "
                        f"output bias: the export would change the model")
+
+
+def run_dir(model_dir: str) -> str:
+  """MODEL_DIR of a MODEL_DIR or of one of its checkpoints/<step> directories."""
+  path = model_dir.rstrip("/")
+  if os.path.basename(os.path.dirname(path)) == "checkpoints":
+    return os.path.dirname(os.path.dirname(path))
+  return path
 
 
 def find_tokenizer(path: str):
