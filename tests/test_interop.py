@@ -262,11 +262,12 @@ def test_export_refuses_a_nonzero_output_bias(imported, tmp_path):
 # Bad input: one named reason, nothing written.
 
 
-def _edit_config(folder, **changes):
+def _edit_config(folder, drop=None, **changes):
   path = os.path.join(folder, "config.json")
   with open(path, encoding="utf-8") as f:
     config = json.load(f)
   config.update(changes)
+  config.pop(drop, None)
   with open(path, "w", encoding="utf-8") as f:
     json.dump(config, f)
 
@@ -304,6 +305,8 @@ BAD = {
         {"transformer.h.1.attn.c_proj.weight": t["transformer.h.1.attn.c_proj.weight"].astype(np.int8)})),
                   "'transformer.h.1.attn.c_proj.weight' has dtype I8"),
     "tokenizer": ("gpt2", _edit_tokenizer, "the tokenizer has 301 tokens but the embedding has 300 rows"),
+    "missing_key": ("llama3_scaled", lambda d: _edit_config(d, drop="intermediate_size"),
+                    "LlamaForCausalLM needs 'intermediate_size', which is missing"),
     "gelu": ("gpt2", lambda d: _edit_config(d, activation_function="gelu"), "activation_function='gelu'"),
     "rope_type": ("llama3_scaled", lambda d: _edit_config(d, rope_parameters={"rope_type": "yarn", "factor": 4.0}),
                   "rope_type='yarn' is not supported; supported: \\['default', 'llama3'\\]"),

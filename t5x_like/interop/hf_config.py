@@ -45,7 +45,10 @@ def from_hf(hf: dict, where: str) -> tuple:
   arch = architecture(hf, where)
   if hf.get("quantization_config"):
     raise ValueError(f"{where}: quantization_config is set: quantized checkpoints are not supported")
-  config = _from_gpt2(hf, where) if arch == GPT2 else _from_llama(hf, where)
+  try:
+    config = _from_gpt2(hf, where) if arch == GPT2 else _from_llama(hf, where)
+  except KeyError as e:
+    raise ValueError(f"{where}: {arch} needs {e.args[0]!r}, which is missing") from None
   vocab = config.vocab_size
   return arch, dataclasses.replace(config, vocab_size=padded_vocab(vocab), valid_vocab_size=vocab)
 
