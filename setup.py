@@ -23,6 +23,7 @@ setuptools.setup(
         "orbax-checkpoint>=0.12.8",
         "tensorflow-cpu>=2.21.0",
         "sentencepiece>=0.2.0",
+        "tokenizers>=0.20",  # HF tokenizer.json (preprocess / infer / evaluate --tokenizer, save_hf)
         "clu>=0.0.12",
         "tensorboard>=2.21.0",  # clu's TensorBoard summary writer imports it; tensorflow-cpu does not bring it
         "gin-config>=0.5.0",

@@ -9,6 +9,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 from absl import flags  # pylint: disable=g-import-not-at-top
 
 from t5x_like import cli as gin_utils
+from t5x_like.data import tokenizer
 from t5x_like.model import decoder as model
 from t5x_like.training import optimizer
 from t5x_like.training import experiment
@@ -18,6 +19,8 @@ flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the ne
 flags.DEFINE_string("split", "validation", "Split of DATA_DIR to evaluate on.")
 flags.DEFINE_integer("eval_batches", None, "Batches to evaluate (default: DataConfig.eval_batches; "
                      "0 = the whole split).")
+flags.DEFINE_string("tokenizer", None, "The model's tokenizer (.model, tokenizer.json or HF folder): refuse a "
+                    "DATA_DIR whose records another tokenizer wrote.")
 FLAGS = flags.FLAGS
 
 
@@ -32,6 +35,8 @@ def main(argv):
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, eval_batches=FLAGS.eval_batches))
   exp = experiment.Experiment(config, gin_utils.configured(model.GPTConfig, "model"),
                            gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))
+  if FLAGS.tokenizer:
+    tokenizer.check_wrote(tokenizer.load(FLAGS.tokenizer), exp.manifest, config.data_dir)
   result = exp.evaluate_checkpoint(FLAGS.step, FLAGS.split)
   print(f"step {result['step']}  {result['split']}  loss {result['eval/loss']:.6f}  "
         f"perplexity {result['eval/perplexity']:.4f}  ({int(result['eval/tokens'])} tokens, "

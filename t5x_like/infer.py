@@ -1,4 +1,4 @@
-"""`python -m t5x_like.infer --gin_file=... --gin.MODEL_DIR=... --prompt=...`: sample text from the latest checkpoint."""
+"""`python -m t5x_like.infer --gin_file=... --gin.MODEL_DIR=... --prompt=... [--tokenizer=...]`: sample text from the latest checkpoint."""
 
 import os
 
@@ -25,6 +25,8 @@ def define_flags() -> None:
   flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set of tokens with this much probability.")
   flags.DEFINE_integer("seed", 0, "Sampling seed.")
   flags.DEFINE_integer("step", None, "Checkpoint step to load (default: the newest good one).")
+  flags.DEFINE_string("tokenizer", None, "Tokenizer instead of DATA_DIR's: a SentencePiece .model, an HF "
+                      "tokenizer.json or HF folder (e.g. a converted MODEL_DIR); with it DATA_DIR may be ''.")
 
 
 def main(argv):
@@ -40,7 +42,8 @@ def main(argv):
   exp = experiment.Experiment(gin_utils.train_config(), gin_utils.configured(model.GPTConfig, "model"),
                               gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))
   step, continuations = exp.sample(prompts, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-                                   top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed, step=FLAGS.step)
+                                   top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed, step=FLAGS.step,
+                                   tokenizer=FLAGS.tokenizer)
   print(f"# checkpoint step {step}", flush=True)
   for i, (prompt, text) in enumerate(zip(prompts, continuations)):
     if len(prompts) > 1:  # a continuation may span lines: mark where each sample starts

@@ -408,6 +408,17 @@ def _read_json(path: str) -> dict | None:
   return value
 
 
+def check_wrote(tok: Tokenizer | HFTokenizer, manifest: dict | None, data_dir: str) -> None:
+  """Raises ValueError unless `tok` is the tokenizer whose ids DATA_DIR's records hold (the same
+  file, EOS and pad id as its manifest); no manifest (no DATA_DIR), nothing to check."""
+  if manifest is None:
+    return
+  for key, value in (("tokenizer_sha256", tok.sha256), ("eos_id", tok.eos_id), ("pad_id", tok.pad_id)):
+    if manifest.get(key) != value:
+      raise ValueError(f"Tokenizer '{tok.path}' did not write DATA_DIR '{data_dir}': its {key} is {value}, "
+                       f"the manifest's {manifest.get(key)}")
+
+
 def load(path: str) -> Tokenizer | HFTokenizer:
   """Loads a SentencePiece `.model`, an HF `tokenizer.json`, or a folder holding either.
 
