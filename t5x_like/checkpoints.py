@@ -1,10 +1,13 @@
-"""`python -m t5x_like.checkpoints list|digest|inspect MODEL_DIR [--step N]`: look into a run's checkpoints.
+"""`python -m t5x_like.checkpoints list|digest|inspect|merge_lora MODEL_DIR [--step N]`: look into a run's checkpoints.
 
-  list      committed steps (with their recorded mesh and code version), unfinished saves,
-            and steps moved aside as unreadable
-  digest    SHA-256 over all parameter bytes (names, dtypes, shapes, bytes; sorted by name; independent
-            of the sharding); the digest is the last line
-  inspect   every saved array of the train state: path, shape, dtype, saved sharding; then the metadata
+  list        committed steps (with their recorded mesh and code version), unfinished saves,
+              and steps moved aside as unreadable
+  digest      SHA-256 over all parameter bytes (names, dtypes, shapes, bytes; sorted by name; independent
+              of the sharding); the digest is the last line
+  inspect     every saved array of the train state: path, shape, dtype, saved sharding; then the metadata
+  merge_lora  a LoRA run's adapters merged into the base its checkpoint names, written as a plain
+              checkpoint (--output_dir=DIR: DIR/checkpoints/0) that infer, evaluate and
+              INITIAL_CHECKPOINT_PATH read
 
 MODEL_DIR may be local or gs://.
 """
@@ -20,10 +23,12 @@ import numpy as np
 
 from t5x_like import cli
 from t5x_like.training import checkpointing as checkpoints
+from t5x_like.training import lora
 
 flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest committed one).")
+flags.DEFINE_string("output_dir", None, "merge_lora: the directory the merged checkpoint is written to.")
 FLAGS = flags.FLAGS
-USAGE = "python -m t5x_like.checkpoints list|digest|inspect MODEL_DIR [--step N]"
+USAGE = "python -m t5x_like.checkpoints list|digest|inspect|merge_lora MODEL_DIR [--step N] [--output_dir DIR]"
 
 
 def cmd_list(model_dir: str, step=None) -> None:
@@ -75,7 +80,14 @@ def cmd_inspect(model_dir: str, step=None) -> None:
     print(gin_config.rstrip())
 
 
-COMMANDS = {"list": cmd_list, "digest": cmd_digest, "inspect": cmd_inspect}
+def cmd_merge_lora(model_dir: str, step=None) -> None:
+  if not FLAGS.output_dir:
+    raise ValueError(f"merge_lora needs --output_dir=DIR for the merged checkpoint ({USAGE})")
+  written = lora.merge_checkpoint(model_dir, FLAGS.output_dir, step)
+  print(f"merged LoRA adapters of {model_dir} into {written}")
+
+
+COMMANDS = {"list": cmd_list, "digest": cmd_digest, "inspect": cmd_inspect, "merge_lora": cmd_merge_lora}
 
 
 def look(command: str, model_dir: str, step=None) -> None:

@@ -25,6 +25,7 @@ NESTED_CONFIGS = {
     "checkpoint": (train_config_lib.CheckpointConfig, "checkpointing"),
     "fault_tolerance": (train_config_lib.FaultToleranceConfig, "fault_tolerance"),
     "observe": (train_config_lib.ObserveConfig, "observe"),
+    "lora": (train_config_lib.LoraConfig, "lora"),
 }
 
 

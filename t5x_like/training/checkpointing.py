@@ -263,6 +263,75 @@ def committed_steps(model_dir: str) -> list:
   return sorted(ocp.utils.checkpoint_steps(checkpoint_dir(model_dir)))
 
 
+def resolve_checkpoint(model_dir: str, step: Optional[int] = None) -> tuple:
+  """(step, MODEL_DIR/checkpoints/<step>) of a run directory (its newest committed step, or `step`) or
+  of a path that already names one of its `checkpoints/<step>` directories."""
+  path = epath.Path(model_dir)
+  if path.parent.name == "checkpoints":  # MODEL_DIR/checkpoints/<step>
+    if not path.name.isdigit():
+      raise ValueError(f"{model_dir}: a path inside checkpoints/ must name a step directory, e.g. "
+                       f"{path.parent}/1000")
+    step, model_dir = int(path.name), os.fspath(path.parent.parent)
+  return step_dir(model_dir, step)
+
+
+def check_param_shapes(source: str, expected, axis_hints: Optional[dict] = None, what: str = "checkpoint") -> str:
+  """Compares the parameter shapes saved in `source` with `expected` before anything is restored.
+
+  Args:
+    source: a MODEL_DIR (newest step) or a `checkpoints/<step>` directory.
+    expected: the model config's parameter tree (arrays or ShapeDtypeStructs).
+    axis_hints: {parameter path name: per-axis config field} ('token_embedding': ('GPTConfig.vocab_size',
+      'GPTConfig.d_model')): the field named after the first axis that differs.
+    what: the checkpoint's role in the message ('base checkpoint').
+
+  Returns:
+    The `checkpoints/<step>` directory checked (pin it to reload exactly this step later).
+
+  Raises:
+    ValueError: one line naming the checkpoint, the first differing parameter path and both shapes, e.g.
+      "token_embedding: checkpoint (8192, 64) vs model config (4096, 64) — GPTConfig.vocab_size".
+  """
+  _, path = resolve_checkpoint(source)
+  saved_tree = state_tree_metadata(path)
+  if not isinstance(saved_tree, dict) or "params" not in saved_tree:
+    raise ValueError(f"{what} {path} holds no 'params' tree")
+  saved = {path_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved_tree["params"])[0]}
+  wanted = {path_name(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(expected)[0]}
+  for name, shape in wanted.items():
+    if name not in saved:
+      raise ValueError(f"{what} {path}: {name}: missing from the checkpoint (model config {shape}); "
+                       "the model config differs from the checkpoint's model")
+    if saved[name] != shape:
+      hint = ""
+      fields = (axis_hints or {}).get(name, ())
+      if len(saved[name]) == len(shape):
+        differing = [i for i, (x, y) in enumerate(zip(saved[name], shape)) if x != y]
+        if differing and differing[0] < len(fields) and fields[differing[0]]:
+          hint = f" — {fields[differing[0]]}"
+      raise ValueError(f"{what} {path}: {name}: checkpoint {saved[name]} vs model config {shape}{hint}")
+  extra = sorted(set(saved) - set(wanted))
+  if extra:
+    raise ValueError(f"{what} {path}: {extra[0]}: in the checkpoint {saved[extra[0]]} but not in the model "
+                     f"config{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}")
+  return path
+
+
+def save_params(model_dir: str, params, step: int = 0, metadata: Optional[dict] = None) -> str:
+  """Writes a parameters-only checkpoint MODEL_DIR/checkpoints/<step> ({'params': ...}, no optimizer state
+  or data iterator): what restore_params / warm_start_from / INITIAL_CHECKPOINT_PATH read. Returns its path."""
+  manager = make_manager(model_dir, max_to_keep=None, async_save=False)
+  try:
+    if step in manager.all_steps():
+      raise FileExistsError(f"{checkpoint_dir(model_dir)}/{step} already exists: write to an empty directory")
+    if not save(manager, step, {"params": params}, metadata=metadata):
+      raise OSError(f"orbax did not save step {step} in {checkpoint_dir(model_dir)}")
+    manager.wait_until_finished()
+  finally:
+    manager.close()
+  return os.path.join(checkpoint_dir(model_dir), str(step))
+
+
 def state_tree_metadata(path: str):
   """The saved state's tree of array metadata (shape, dtype, sharding); reads no array bytes."""
   meta = ocp.PyTreeCheckpointer().metadata(os.path.join(path, STATE))
@@ -283,13 +352,7 @@ def restore_params(model_dir: str, step: Optional[int] = None, abstract_params=N
   Returns:
     (step, params) or (step, params, opt_state) when `with_opt_state_of` is given.
   """
-  path = epath.Path(model_dir)
-  if path.parent.name == "checkpoints":  # MODEL_DIR/checkpoints/<step>
-    if not path.name.isdigit():
-      raise ValueError(f"{model_dir}: a path inside checkpoints/ must name a step directory, e.g. "
-                       f"{path.parent}/1000")
-    step, model_dir = int(path.name), os.fspath(path.parent.parent)
-  step, path = step_dir(model_dir, step)
+  step, path = resolve_checkpoint(model_dir, step)
   if abstract_params is None:
     abstract_params = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), state_tree_metadata(path)["params"])
     args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract_params)

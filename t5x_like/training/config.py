@@ -1,8 +1,8 @@
 """A training run's configuration: the run itself, plus one frozen dataclass per concern.
 
 Gin binds each class under its own name (`trainer.TrainConfig`, `data.DataConfig`,
-`checkpointing.CheckpointConfig`, `fault_tolerance.FaultToleranceConfig`, `observe.ObserveConfig`);
-`cli.train_config()` builds the nested ones and puts them into the TrainConfig. The run macros of
+`checkpointing.CheckpointConfig`, `fault_tolerance.FaultToleranceConfig`, `observe.ObserveConfig`,
+`lora.LoraConfig`); `cli.train_config()` builds the nested ones and puts them into the TrainConfig. The run macros of
 DESIGN.md (MODEL_DIR, DATA_DIR, TRAIN_STEPS, BATCH_SIZE, SEQ_LEN, NUM_MICROBATCHES, MESH_SHAPE, SEED,
 LOG_EVERY, EVAL_EVERY, CHECKPOINT_EVERY) stay on TrainConfig, where configs/runs/pretrain.gin binds them.
 """
@@ -32,6 +32,9 @@ class CheckpointConfig:
   async_save: bool = True  # write checkpoints in the background while training continues
   warm_start_from: str = ""  # another run's MODEL_DIR or checkpoints/<step>: initial params when MODEL_DIR has none
   warm_start_optimizer: bool = False  # also take its optimizer state (same optimizer); False = fresh, step 0
+  # Fine-tuning (configs/runs/finetune.gin): refuse to start a fresh run from random parameters when
+  # warm_start_from (INITIAL_CHECKPOINT_PATH) is empty.
+  warm_start_required: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,43 @@ class ObserveConfig:
   profile_steps: Optional[tuple] = None  # (first, last): jax.profiler trace of these steps to MODEL_DIR/profile
 
 
+# LoRA's default targets: the attention projections (fused qkv, or query + key_value under GQA) and out,
+# and the MLP's input (and SwiGLU gate) and output kernels.
+LORA_TARGETS = r"blocks/attn/(qkv|query|key_value|out)/kernel|blocks/mlp_(in|gate|out)/kernel"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Low-rank adapters (training/lora.py): W + (alpha/rank)·A·B on each target kernel, the base frozen."""
+  rank: int = 0  # adapter rank r; 0 = no LoRA (full or selective fine-tuning)
+  alpha: float = 16.0  # the adapters' update is scaled by alpha / rank
+  dropout: float = 0.0  # must be 0: adapters are merged into the weights, where input dropout has no place
+  targets: str = LORA_TARGETS  # regex (re.fullmatch) over parameter paths of the kernels that get adapters
+
+  def __post_init__(self):
+    if self.rank < 0:
+      raise ValueError(f"LoraConfig.rank must be >= 0 (0 = no LoRA), got {self.rank}")
+    if self.rank and self.alpha <= 0:
+      raise ValueError(f"LoraConfig.alpha must be > 0, got {self.alpha}")
+    if self.dropout:
+      raise ValueError(f"LoraConfig.dropout={self.dropout} is not supported: the adapters are merged into the "
+                       "weights (W + alpha/rank·A·B) before the forward pass, where dropout on a layer's input "
+                       "cannot be expressed; set it to 0")
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+
+# Named TrainConfig.trainable values (any other value is a regex over parameter paths).
+TRAINABLE_PRESETS = {
+    "all": ".*",
+    "attention": "blocks/attn/.*",  # only the attention layers: qkv (or query, key_value) and out, kernels and biases
+    "mlp": "blocks/mlp_.*",  # only the feed-forward layers: mlp_in (mlp_gate) and mlp_out
+    "norms": "(blocks/ln_[12]|ln_f)/.*",  # only the layer-norm scales (and biases)
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """One training run: where, what data, how long, how big, how it is laid out; one config per concern."""
@@ -67,13 +107,16 @@ class TrainConfig:
   eval_every: int = 200  # steps between validation passes; 0 = only at the end (EVAL_EVERY)
   checkpoint_every: int = 200  # steps between checkpoints; one is always written at the end (CHECKPOINT_EVERY)
   loss_chunk: int = 0  # >0: loss over sequence chunks of this many positions, never the full (B,L,V) logits
-  trainable: str = ".*"  # regex over parameter paths ('blocks/attn/qkv/kernel'); others are frozen, no optimizer state
+  # Regex over parameter paths ('blocks/attn/qkv/kernel') or a TRAINABLE_PRESETS name ('attention'); the other
+  # leaves are frozen, with no optimizer state. Under LoRA the paths are the adapters' ('.../kernel/lora_a').
+  trainable: str = ".*"
   axis_rules: Optional[tuple] = None  # logical→mesh rules; None = partitioning.DEFAULT_RULES
   offload_optimizer: bool = False  # ZeRO-Offload: AdamW state in pinned host memory
   data: DataConfig = DataConfig()  # built from data.DataConfig bindings by cli.train_config()
   checkpoint: CheckpointConfig = CheckpointConfig()  # checkpointing.CheckpointConfig
   fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()  # fault_tolerance.FaultToleranceConfig
   observe: ObserveConfig = ObserveConfig()  # observe.ObserveConfig
+  lora: LoraConfig = LoraConfig()  # lora.LoraConfig; rank 0 = off
 
   def __post_init__(self):
     if self.fault_tolerance.nonfinite_action not in ("stop", "rollback"):
@@ -85,3 +128,11 @@ class TrainConfig:
     for key in ("eval_every", "checkpoint_every"):
       if getattr(self, key) < 0:
         raise ValueError(f"TrainConfig.{key} must be >= 0, got {getattr(self, key)}")
+    if self.lora.rank and self.offload_optimizer:
+      raise ValueError("TrainConfig.offload_optimizer with LoRA (LoraConfig.rank > 0): the adapters' optimizer "
+                       "state is tiny; turn offloading off")
+
+  @property
+  def trainable_regex(self) -> str:
+    """`trainable` with a TRAINABLE_PRESETS name replaced by its regex."""
+    return TRAINABLE_PRESETS.get(self.trainable, self.trainable)

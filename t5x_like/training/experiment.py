@@ -1,14 +1,18 @@
 """The pieces a run, an evaluation or a sampler need, built once under the mesh and the axis rules.
 
 mesh → resolved model config → layout check → sharded abstract state → objective → jitted steps;
-plus the data streams, evaluation over the objective, and frozen models on the same mesh.
+plus the data streams, evaluation over the objective, and frozen models on the same mesh. Under LoRA
+(TrainConfig.lora.rank > 0) the state's parameters are the adapters, the base model is the frozen
+model `lora.BASE`, and the objective is wrapped to merge them (training/lora.py).
 """
 
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Optional
 
+import flax
 import flax.linen as nn
 import jax
 
@@ -22,7 +26,9 @@ from t5x_like.parallel import global_batch
 from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.parallel import offload
 from t5x_like.parallel import partitioning
+from t5x_like.parallel import axis_names as ax
 from t5x_like.training import checkpointing
+from t5x_like.training import lora as lora_lib
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import precision
 from t5x_like.training import step as step_lib
@@ -30,6 +36,13 @@ from t5x_like.training import train_state as train_state_lib
 from t5x_like.training import trainable as trainable_lib
 from t5x_like.training.config import TrainConfig
 from t5x_like.training.objectives import language_model
+
+
+# The model config field each logical parameter axis comes from (named in shape-mismatch errors).
+AXIS_FIELDS = {ax.VOCAB: "GPTConfig.vocab_size", ax.EMBED: "GPTConfig.d_model", ax.MLP: "GPTConfig.d_ff",
+               ax.HEADS: "GPTConfig.num_heads", ax.KV_HEADS: "GPTConfig.num_kv_heads",
+               ax.KV: "GPTConfig.d_model / num_heads (head_dim)", ax.LAYERS: "GPTConfig.num_layers",
+               ax.POSITION: "GPTConfig.max_len", ax.NORM: "GPTConfig.d_model"}
 
 
 _NO_DATA_DIR = "DATA_DIR is not set: training and evaluation read a prepared dataset (python -m t5x_like.preprocess)"
@@ -80,20 +93,84 @@ class Experiment:
     validate_layout(config, self.mesh, self.model_config)  # before anything compiles
     self.rules = tuple(config.axis_rules or partitioning.DEFAULT_RULES)
     self.model = model_lib.GPT(self.model_config)
-    self.objective = language_model.LanguageModel(
+    # The objective over the model's parameters; under LoRA, `objective` wraps it to take adapters.
+    self.model_objective = language_model.LanguageModel(
         apply_fn=self.model.apply, loss_chunk=config.loss_chunk,
         logits_fn=lambda params, hidden: model_lib.project_logits(params, hidden, self.model_config))
+    self.objective = self.model_objective
     self.lr_fn = optimizer_lib.learning_rate_schedule(optimizer_config, config.train_steps)
     self.tx = optimizer_lib.make_optimizer(optimizer_config, config.train_steps)
     self.batch_sharding = partitioning.batch_sharding(self.mesh, self.rules)
+    self.frozen, self.frozen_shardings = {}, {}
+    self.lora = config.lora if config.lora.rank else None
+    self.lora_base = None  # under LoRA: the base's checkpoints/<step> directory, once loaded
+    self.params_fn = None  # rng → the state's boxed parameters when they are not the model's (LoRA adapters)
+    if self.lora:
+      kernels = lora_lib.target_kernels(self.boxed_params, self.lora.targets)
+      self.objective = lora_lib.objective(self.model_objective, self.boxed_params, self.lora)
+      self.params_fn = functools.partial(lora_lib.init_adapters, kernels=kernels, config=self.lora)
+      self.frozen_shardings[lora_lib.BASE] = self.model_shardings
     with self.context():
       self.abstract_state, self.state_shardings = train_state_lib.state_shardings(
           self.model, self.tx, self.mesh, self.rules, loss_scale=self.initial_loss_scale(),
-          trainable=config.trainable)
-    self.trainable_paths = trainable_lib.trainable_paths(self.abstract_state.params, config.trainable)
+          trainable=config.trainable_regex, params_fn=self.params_fn)
+    self.trainable_paths = trainable_lib.trainable_paths(self.abstract_state.params, config.trainable_regex)
     if config.offload_optimizer:
       self.state_shardings = offload.offload_shardings(self.state_shardings)
-    self.frozen, self.frozen_shardings = {}, {}
+
+  @functools.cached_property
+  def boxed_params(self):
+    """The model's abstract parameters, boxed with their logical axis names (nothing allocated)."""
+    with self.context():
+      return jax.eval_shape(lambda: self.model.init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))["params"]
+
+  @functools.cached_property
+  def model_shardings(self):
+    """NamedShardings of the model's parameters on this mesh (of the base model under LoRA)."""
+    return partitioning.shardings_from_boxed(self.boxed_params, self.mesh, self.rules)
+
+  def abstract_model_params(self):
+    """The model's parameters as ShapeDtypeStructs with this run's shardings (a restore target)."""
+    return checkpointing.abstract_with_shardings(partitioning.unbox(self.boxed_params), self.model_shardings)
+
+  def check_checkpoint_shapes(self, path: str, what: str = "initial checkpoint") -> str:
+    """Checks every parameter shape of the checkpoint at `path` (a MODEL_DIR or checkpoints/<step>)
+    against this model config, before anything restores; returns the checkpoints/<step> checked.
+
+    Raises:
+      ValueError: one line naming the parameter path, both shapes and the GPTConfig field.
+    """
+    flat = flax.traverse_util.flatten_dict(self.boxed_params)
+    names = {lora_lib.path_name(p): tuple(AXIS_FIELDS.get(n, "") for n in leaf.names)
+             for p, leaf in flat.items() if isinstance(leaf, nn.LogicallyPartitioned)}
+    return checkpointing.check_param_shapes(path, partitioning.unbox(self.boxed_params), names, what)
+
+  def load_lora_base(self, path: str) -> str:
+    """Restores the LoRA base model (a MODEL_DIR, checkpoints/<step> or converted checkpoint) as the frozen
+    model `lora.BASE`, after checking its shapes; returns the checkpoints/<step> directory it read."""
+    pinned = self.check_checkpoint_shapes(path, "LoRA base checkpoint")
+    if pinned != self.lora_base:
+      _, params = checkpointing.restore_params(pinned, abstract_params=self.abstract_model_params())
+      self.frozen[lora_lib.BASE], self.lora_base = params, pinned
+    return pinned
+
+  def startup_report(self) -> dict:
+    """What trains and what it costs: parameter counts and bytes per device of the parameters that
+    train, their optimizer state and (under LoRA) the frozen base."""
+    state_params = self.abstract_state.params
+    trainable = lora_lib.count(trainable_lib.trainable_part(state_params, self.trainable_paths))
+    total = lora_lib.count(state_params) + (lora_lib.count(partitioning.unbox(self.boxed_params)) if self.lora else 0)
+    report = {
+        "params/total": total, "params/trainable": trainable, "params/trainable_fraction": trainable / total,
+        "memory/opt_state_bytes_per_device": train_state_lib.bytes_per_device(self.abstract_state.opt_state,
+                                                                               self.state_shardings.opt_state),
+        "memory/params_bytes_per_device": train_state_lib.bytes_per_device(state_params,
+                                                                            self.state_shardings.params),
+    }
+    if self.lora:
+      report["memory/frozen_base_bytes_per_device"] = train_state_lib.bytes_per_device(
+          partitioning.unbox(self.boxed_params), self.model_shardings)
+    return report
 
   def context(self):
     """Mesh + logical rules: entered before any trace, or sharding constraints silently vanish."""
@@ -110,7 +187,7 @@ class Experiment:
     with self.context():
       state, _ = train_state_lib.init_state(self.model, self.tx, jax.random.key(self.config.seed), self.mesh,
                                             self.rules, loss_scale=self.initial_loss_scale(),
-                                            trainable=self.config.trainable)
+                                            trainable=self.config.trainable_regex, params_fn=self.params_fn)
     return jax.device_put(state, self.state_shardings)  # a no-op unless the optimizer state is offloaded
 
   def abstract_with_shardings(self):
@@ -129,6 +206,8 @@ class Experiment:
       raise ValueError(f"frozen model {name!r} at {path}: vocab_size={cfg.vocab_size} differs from this "
                        f"run's {self.model_config.vocab_size} (the same tokenizer is required)")
     cfg = dataclasses.replace(cfg, vocab_size=self.model_config.vocab_size, num_stages=self.model_config.num_stages)
+    if model_config is None:
+      path = self.check_checkpoint_shapes(path, f"frozen model {name!r}")
     with self.context():
       boxed = jax.eval_shape(lambda: model_lib.GPT(cfg).init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))
       shardings = partitioning.shardings_from_boxed(boxed["params"], self.mesh, self.rules)
@@ -220,9 +299,43 @@ class Experiment:
             "eval/batches": count, **{f"eval/{name}": value / denom for name, value in metric_sums.items()}}
 
   def restore_params(self, step: Optional[int] = None):
-    """(step, params) of MODEL_DIR's newest readable checkpoint (or `step`), on this mesh; no optimizer state."""
+    """(step, params) of MODEL_DIR's newest readable checkpoint (or `step`), on this mesh; no optimizer state.
+
+    Under LoRA: the base the checkpoint refers to merged with its adapters (the model's parameters).
+    """
+    if self.lora:
+      found, adapters = self.restore_adapters(step)
+      merge = jax.jit(lambda base, a: lora_lib.merge(base, a, self.lora.scale, self.objective.kernel_names),
+                      out_shardings=self.model_shardings)
+      with self.context():
+        return found, merge(self.frozen[lora_lib.BASE], adapters)
+    self._refuse_lora_checkpoint(step)
     abstract = self.abstract_with_shardings().params
     return checkpointing.restore_newest_params(self.config.model_dir, abstract, step)
+
+  def restore_adapters(self, step: Optional[int] = None):
+    """(step, adapters) of a LoRA run's checkpoint, with the base it names (its metadata) loaded as the
+    frozen model `lora.BASE`."""
+    found, adapters = checkpointing.restore_newest_params(self.config.model_dir, self.abstract_with_shardings().params,
+                                                          step)
+    _, path = checkpointing.step_dir(self.config.model_dir, found)
+    base = checkpointing.read_metadata(path).get("lora", {}).get("base")
+    if not base:
+      raise ValueError(f"{path}: the checkpoint's metadata names no LoRA base (metadata key lora.base)")
+    self.load_lora_base(base)
+    return found, adapters
+
+  def _refuse_lora_checkpoint(self, step: Optional[int]) -> None:
+    """A one-line error when MODEL_DIR holds LoRA adapters but this config has no LoraConfig.rank."""
+    try:
+      _, path = checkpointing.step_dir(self.config.model_dir, step)
+      meta = checkpointing.read_metadata(path).get("lora")
+    except Exception:  # pylint: disable=broad-except  # no or unreadable checkpoint: the restore says so
+      return
+    if meta:
+      raise ValueError(f"{path} holds LoRA adapters (rank {meta.get('rank')}, base {meta.get('base')}): pass the "
+                       f"run's LoRA settings (--gin.lora.LoraConfig.rank={meta.get('rank')}) or merge them into a "
+                       "plain checkpoint first (python -m t5x_like.checkpoints merge_lora MODEL_DIR --output_dir=DIR)")
 
   def sample(self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              seed: int = 0, step: Optional[int] = None, tokenizer: Optional[str] = None):
@@ -265,5 +378,5 @@ class Experiment:
       raise ValueError(f"DATA_DIR '{self.config.data_dir}' has no split '{split}' "
                        f"(available: {sorted(self.manifest['splits'])})")
     with self.context():
-      found, params = self.restore_params(step)
+      found, params = self.restore_adapters(step) if self.lora else self.restore_params(step)
     return {"step": int(found), "split": split, **self.evaluate(params, split=split)}

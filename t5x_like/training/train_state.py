@@ -1,6 +1,7 @@
 """TrainState pytree; abstract init (eval_shape) → shardings → sharded init, so no host holds the whole model."""
 
-from typing import Any
+import math
+from typing import Any, Callable, Optional
 
 import flax
 import flax.linen as nn
@@ -24,35 +25,49 @@ class TrainState:
 
 
 def _boxed_init(model: nn.Module, tx: optax.GradientTransformation, rng, seq_len: int, loss_scale=None,
-                trainable: str = ".*"):
-  tokens = jnp.zeros((1, seq_len), jnp.int32)
-  params = model.init(rng, tokens)["params"]
+                trainable: str = ".*", params_fn: Optional[Callable] = None):
+  if params_fn is not None:
+    params = params_fn(rng)
+  else:
+    params = model.init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
   paths = trainable_lib.trainable_paths(params, trainable)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=tx.init(trainable_lib.trainable_part(params, paths)), loss_scale=loss_scale)
 
 
 def state_shardings(model, tx, mesh, rules=partitioning.DEFAULT_RULES, seq_len: int = 1, loss_scale=None,
-                    trainable: str = ".*"):
+                    trainable: str = ".*", params_fn: Optional[Callable] = None):
   """(abstract unboxed TrainState, matching tree of NamedShardings); nothing is allocated.
 
   The optimizer state inherits its parameter's logical names because optax maps over the boxes.
   `loss_scale`: the initial `precision.LossScaleState` (replicated), or None. `trainable`: the regex of
-  the parameters that train (TrainConfig.trainable); only they get optimizer state.
+  the parameters that train (TrainConfig.trainable); only they get optimizer state. `params_fn`: rng →
+  boxed parameters, instead of `model.init` (LoRA: the adapters are the state's parameters).
   """
-  boxed = jax.eval_shape(lambda: _boxed_init(model, tx, jax.random.key(0), seq_len, loss_scale, trainable))
+  boxed = jax.eval_shape(lambda: _boxed_init(model, tx, jax.random.key(0), seq_len, loss_scale, trainable,
+                                             params_fn))
   shardings = partitioning.shardings_from_boxed(boxed, mesh, rules)
   return partitioning.unbox(boxed), shardings
 
 
 def init_state(model, tx, rng, mesh, rules=partitioning.DEFAULT_RULES, seq_len: int = 1, loss_scale=None,
-               trainable: str = ".*"):
+               trainable: str = ".*", params_fn: Optional[Callable] = None):
   """Initialises the TrainState directly into its shardings (jit with out_shardings).
 
   Must run under `jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)` so the model's activation
   constraints resolve.
   """
-  _, shardings = state_shardings(model, tx, mesh, rules, seq_len, loss_scale, trainable)
-  init = jax.jit(lambda r: partitioning.unbox(_boxed_init(model, tx, r, seq_len, loss_scale, trainable)),
+  _, shardings = state_shardings(model, tx, mesh, rules, seq_len, loss_scale, trainable, params_fn)
+  init = jax.jit(lambda r: partitioning.unbox(_boxed_init(model, tx, r, seq_len, loss_scale, trainable, params_fn)),
                  out_shardings=shardings)
   return init(rng), shardings
+
+
+def bytes_per_device(abstract_tree, shardings) -> int:
+  """Bytes one device holds of `abstract_tree` (ShapeDtypeStructs or arrays) laid out by `shardings`
+  (the largest over devices: a shard's shape is the same on every device of a NamedSharding)."""
+  total = 0
+  for leaf, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings)):
+    shape = sharding.shard_shape(tuple(leaf.shape))
+    total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+  return total

@@ -26,7 +26,6 @@ from t5x_like.training import fault_tolerance
 from t5x_like.training import hooks as hooks_lib
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import precision
-from t5x_like.training import trainable as trainable_lib
 from t5x_like.training.config import TrainConfig
 from t5x_like.training.experiment import Experiment
 
@@ -88,6 +87,57 @@ class _PrometheusSink:
     self.exporter.update(scalars, step=step, train_steps=self.train_steps)
 
 
+def initial_state(exp: Experiment, manager, train_iter) -> tuple:
+  """Where a launch starts: MODEL_DIR's newest good checkpoint (a resumed fine-tune continues from its own
+  checkpoint, never the base), else a fresh state, warm-started from CheckpointConfig.warm_start_from
+  (INITIAL_CHECKPOINT_PATH) after checking its shapes. Under LoRA the base is loaded as the frozen model:
+  on resume the one the checkpoint's metadata names, else INITIAL_CHECKPOINT_PATH's newest step.
+
+  Returns:
+    (start step, state, the restored checkpoint's metadata or None, metadata to record in this run's
+    checkpoints: {'lora': {...}} or {'initial_checkpoint': path}).
+  """
+  config, ckpt = exp.config, exp.config.checkpoint
+  abstract = exp.abstract_with_shardings()
+  restored_step, state, saved_metadata = checkpoints.restore_latest(manager, abstract, train_iter, quarantine=True)
+  resumed = state is not None
+  origin = {}
+  if exp.lora:
+    base = (saved_metadata or {}).get("lora", {}).get("base") if resumed else None
+    if resumed and not base:
+      raise ValueError(f"{checkpoints.checkpoint_dir(config.model_dir)}/{restored_step}: a LoRA run's checkpoint "
+                       "without the base model's path in its metadata (lora.base)")
+    if not resumed and not ckpt.warm_start_from:
+      raise ValueError("LoRA (LoraConfig.rank > 0) needs a base model: set INITIAL_CHECKPOINT_PATH "
+                       "(CheckpointConfig.warm_start_from) to its MODEL_DIR or checkpoints/<step>")
+    pinned = exp.load_lora_base(base or ckpt.warm_start_from)
+    if resumed and ckpt.warm_start_from and _newest(ckpt.warm_start_from) != pinned:
+      logging.warning("resuming a LoRA run over the base its checkpoints name (%s), not INITIAL_CHECKPOINT_PATH's "
+                      "newest step (%s)", pinned, _newest(ckpt.warm_start_from))
+    origin["lora"] = {"base": pinned, "rank": exp.lora.rank, "alpha": exp.lora.alpha, "targets": exp.lora.targets}
+    logging.info("LoRA rank %d (alpha %g) on %d kernels over the frozen base %s", exp.lora.rank, exp.lora.alpha,
+                 len(exp.objective.kernel_names), pinned)
+  if resumed:
+    logging.info("resumed from %s at step %d", checkpoints.checkpoint_dir(config.model_dir), int(restored_step))
+    return int(restored_step), state, saved_metadata, origin
+  state = exp.init_state()
+  if ckpt.warm_start_from and not exp.lora:
+    pinned = exp.check_checkpoint_shapes(ckpt.warm_start_from)
+    state = fault_tolerance.warm_start(state, pinned, abstract, ckpt.warm_start_optimizer)
+    origin["initial_checkpoint"] = pinned
+  elif ckpt.warm_start_required and not ckpt.warm_start_from:
+    raise ValueError("INITIAL_CHECKPOINT_PATH is empty: a fine-tuning run (configs/runs/finetune.gin) starts from a "
+                     "base model's MODEL_DIR or checkpoints/<step>")
+  return 0, state, None, origin
+
+
+def _newest(path: str):
+  try:
+    return checkpoints.resolve_checkpoint(path)[1]
+  except (OSError, ValueError):
+    return None
+
+
 def _write_operative_config(model_dir: str) -> None:
   with tf.io.gfile.GFile(f"{model_dir}/config.gin", "w") as f:
     f.write(gin.operative_config_str())
@@ -114,26 +164,19 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
                                      async_save=ckpt.async_save)
   train_iter = iter(exp.dataset("train", shuffle=True, repeat=True))
   abstract = exp.abstract_with_shardings()
-  restored_step, state, saved_metadata = checkpoints.restore_latest(manager, abstract, train_iter, quarantine=True)
-  if state is None:
-    state = exp.init_state()
-    if ckpt.warm_start_from:
-      state = fault_tolerance.warm_start(state, ckpt.warm_start_from, abstract, ckpt.warm_start_optimizer)
-    start = 0
-  else:
-    start = int(restored_step)
-    logging.info("resumed from %s at step %d", checkpoints.checkpoint_dir(config.model_dir), start)
+  start, state, saved_metadata, origin = initial_state(exp, manager, train_iter)
   n_params = sum(int(x.size) for x in jax.tree.leaves(state.params))
   flops_per_token = flops.train_flops_per_token(exp.model_config, config.seq_len)
   peak, peak_source = hardware.peak_flops_per_device()
-  n_trainable = sum(int(x.size) for x in jax.tree.leaves(trainable_lib.trainable_part(state.params,
-                                                                                        exp.trainable_paths)))
-  logging.info("model: %s parameters (%s trainable); %.3g train FLOPs/token (PaLM 6N + 12LTd, causal attention "
-               "not halved); peak %.3g FLOP/s/device (%s); mesh %s", f"{n_params:,}", f"{n_trainable:,}",
+  report = exp.startup_report()
+  logging.info("model: %s parameters, %s trainable (%.4g%%); optimizer state %s bytes per device; %.3g train "
+               "FLOPs/token (PaLM 6N + 12LTd, causal attention not halved); peak %.3g FLOP/s/device (%s); mesh %s",
+               f"{report['params/total']:,}", f"{report['params/trainable']:,}",
+               100 * report["params/trainable_fraction"], f"{report['memory/opt_state_bytes_per_device']:,}",
                flops_per_token, peak, peak_source, dict(exp.mesh.shape))
   metadata = checkpoints.run_metadata(mesh_shape=exp.mesh.shape, data_dir=config.data_dir,
                                       gin_config=gin.operative_config_str(), seq_len=config.seq_len,
-                                      batch_size=config.batch_size, num_params=n_params)
+                                      batch_size=config.batch_size, num_params=n_params, **origin)
   checkpoints.check_resume_metadata(saved_metadata, metadata)
   guard = fault_tolerance.RunGuard(manager, abstract, nonfinite_patience=ft.nonfinite_patience,
                                    nonfinite_action=ft.nonfinite_action, max_failed_saves=ft.max_failed_saves,
@@ -156,6 +199,7 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
     stack.callback(exporter.close)
     stack.callback(manager.close)
     exporter.update({}, step=start, train_steps=config.train_steps)
+    logger.write(start, report)  # what trains and what its optimizer state costs, once per launch
     sinks = [logger, _PrometheusSink(exporter, config.train_steps)]
     last_step = config.train_steps
     log = hooks_lib.LogHook(hooks_lib.Every(config.log_every, last_step), meter, sinks, train_iter)

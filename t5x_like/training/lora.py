@@ -1,0 +1,247 @@
+"""LoRA: low-rank adapters on chosen kernels of a frozen base model, trained through a wrapped objective.
+
+For a target kernel W of shape (L?, in..., out...) (the stacked-layer axis L kept when it has one) the
+adapters are A (L?, in..., r), small random, and B (L?, r, out...), zero, so the first step runs the
+base model exactly. The objective evaluates its inner objective on the merged weights
+
+    W' = W + (alpha / r) · A·B      (contracting r only; the in and out axes are W's own)
+
+The TrainState's params ARE the adapters (the only leaves with optimizer state); the base is a frozen
+model (`frozen[BASE]`, laid out like the model, never updated). Adapters carry logical axis names
+derived from their kernel's (A: the kernel's input axes + None, B: None + its output axes), so a
+tensor-parallel projection's adapter is split with it, and the merged weight is constrained to the
+kernel's own layout.
+
+Which axes of a kernel are its input: a kernel writing the residual stream (its last axis is `embed`:
+attention `out`, `mlp_out`) contracts all its other axes; any other (qkv, query, key_value, mlp_in,
+mlp_gate, lm_head, an embedding table) contracts its first one.
+
+Adapter trees mirror the base's paths: {'blocks': {'attn': {'qkv': {'kernel': {'lora_a': A, 'lora_b': B}}}}}.
+"""
+
+import dataclasses
+import os
+import re
+import zlib
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from etils import epath
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from t5x_like.parallel import axis_names as ax
+from t5x_like.training import checkpointing
+from t5x_like.training.config import LoraConfig
+
+BASE = "lora_base"  # the frozen base model's key in the objective's `frozen`
+A, B = "lora_a", "lora_b"  # adapter leaf names under their kernel's path
+
+Params = Dict[str, Any]
+
+
+def path_name(path: Tuple[str, ...]) -> str:
+  return "/".join(path)
+
+
+def kernel_split(names: Tuple[Optional[str], ...], path: str = "") -> Tuple[int, int, int]:
+  """(leading layer axes, input axes, output axes) of a kernel with these logical axis names.
+
+  Raises:
+    ValueError: the leaf is not a matrix (a bias, a norm scale), naming `path`.
+  """
+  lead = 1 if names and names[0] == ax.LAYERS else 0
+  rest = tuple(names[lead:])
+  if len(rest) < 2:
+    raise ValueError(f"LoraConfig.targets matches '{path}' with logical axes {tuple(names)}, which is not a "
+                     "weight matrix (LoRA adapts kernels and embedding tables, not biases or norms)")
+  n_in = len(rest) - 1 if rest[-1] == ax.EMBED else 1
+  return lead, n_in, len(rest) - n_in
+
+
+def target_kernels(boxed_params: Params, targets: str) -> Dict[Tuple[str, ...], Any]:
+  """{kernel path: its boxed (LogicallyPartitioned) abstract value} of the leaves `targets` fully matches.
+
+  Raises:
+    ValueError: `targets` is not a regex, matches no parameter, or matches a leaf that is no kernel.
+  """
+  try:
+    regex = re.compile(targets)
+  except re.error as e:
+    raise ValueError(f"LoraConfig.targets={targets!r} is not a regular expression: {e}") from None
+  flat = flax.traverse_util.flatten_dict(boxed_params)
+  chosen = {path: leaf for path, leaf in flat.items() if regex.fullmatch(path_name(path))}
+  if not chosen:
+    examples = ", ".join(sorted(path_name(p) for p in flat)[:6])
+    raise ValueError(f"LoraConfig.targets={targets!r} matches no parameter (paths look like: {examples}, ...)")
+  for path, leaf in chosen.items():
+    if path[-1] != "kernel" and not path[-1].endswith("embedding"):
+      raise ValueError(f"LoraConfig.targets matches '{path_name(path)}', which is not a weight matrix (LoRA adapts "
+                       "kernels and embedding tables, not biases or norms)")
+    kernel_split(_names(leaf), path_name(path))
+  return chosen
+
+
+def _names(leaf) -> tuple:
+  if isinstance(leaf, nn.LogicallyPartitioned):
+    return tuple(leaf.names)
+  return (None,) * len(leaf.shape)
+
+
+def adapter_shapes(shape: tuple, names: tuple, rank: int, path: str = "") -> tuple:
+  """((A shape, A names), (B shape, B names)) for a kernel of this shape and these logical names."""
+  lead, n_in, _ = kernel_split(names, path)
+  cut = lead + n_in
+  a = (shape[:cut] + (rank,), names[:cut] + (None,))
+  b = (shape[:lead] + (rank,) + shape[cut:], names[:lead] + (None,) + names[cut:])
+  return a, b
+
+
+def init_adapters(rng: jax.Array, kernels: Mapping[Tuple[str, ...], Any], config: LoraConfig) -> Params:
+  """Boxed adapters for `kernels` (from `target_kernels`): A ~ U(±1/√fan_in), B = 0, float32.
+
+  Each kernel's A draws from `rng` folded with a hash of its path, so adding a target never changes
+  the others' initial values.
+  """
+  out = {}
+  for path, leaf in kernels.items():
+    names, value = _names(leaf), leaf.value if isinstance(leaf, nn.LogicallyPartitioned) else leaf
+    (a_shape, a_names), (b_shape, b_names) = adapter_shapes(tuple(value.shape), names, config.rank, path_name(path))
+    lead, n_in, _ = kernel_split(names)
+    fan_in = 1
+    for size in value.shape[lead:lead + n_in]:
+      fan_in *= size
+    bound = 1.0 / fan_in ** 0.5
+    key = jax.random.fold_in(rng, zlib.crc32(path_name(path).encode()) & 0x7FFFFFFF)
+    a = jax.random.uniform(key, a_shape, jnp.float32, -bound, bound)
+    out[path + (A,)] = nn.LogicallyPartitioned(a, a_names)
+    out[path + (B,)] = nn.LogicallyPartitioned(jnp.zeros(b_shape, jnp.float32), b_names)
+  return flax.traverse_util.unflatten_dict(out)
+
+
+def adapter_pairs(adapters: Params) -> Dict[Tuple[str, ...], Tuple[Any, Any]]:
+  """{kernel path: (A, B)} of an adapter tree."""
+  flat = flax.traverse_util.flatten_dict(adapters)
+  pairs = {}
+  for path in flat:
+    kernel = path[:-1]
+    if path[-1] not in (A, B) or kernel + (A,) not in flat or kernel + (B,) not in flat:
+      raise ValueError(f"'{path_name(path)}' is not half of a LoRA pair (expected '<kernel path>/{A}' and "
+                       f"'<kernel path>/{B}')")
+    pairs[kernel] = (flat[kernel + (A,)], flat[kernel + (B,)])
+  return pairs
+
+
+def delta(a, b, kernel_shape: tuple, path: str = "") -> jax.Array:
+  """A·B (float32) contracting the rank axis only; its shape is `kernel_shape` (L?, in..., out...).
+
+  Raises:
+    ValueError: A and B do not fit the kernel (adapters of another base), naming `path`.
+  """
+  lead = a.ndim + b.ndim - 2 - len(kernel_shape)
+  n_in = a.ndim - 1 - lead
+  fits = (lead >= 0 and n_in >= 1 and b.ndim - 1 - lead >= 1 and a.shape[-1] == b.shape[lead]
+          and tuple(a.shape[:-1]) + tuple(b.shape[lead + 1:]) == tuple(kernel_shape)
+          and a.shape[:lead] == b.shape[:lead])
+  if not fits:
+    raise ValueError(f"{path}: adapters A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the base kernel "
+                     f"{tuple(kernel_shape)} (adapters of another base model?)")
+  letters = "abcdefghijklmnopqrstuvwxy"
+  n_out = len(kernel_shape) - lead - n_in
+  lead_s, in_s, out_s = letters[:lead], letters[lead:lead + n_in], letters[lead + n_in:lead + n_in + n_out]
+  return jnp.einsum(f"{lead_s}{in_s}z,{lead_s}z{out_s}->{lead_s}{in_s}{out_s}", a, b,
+                    precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def merge(base: Params, adapters: Params, scale: float,
+          kernel_names: Optional[Mapping[str, tuple]] = None) -> Params:
+  """The base parameters with W + scale·A·B on every adapted kernel.
+
+  Args:
+    base: the base model's (unboxed) parameters.
+    adapters: an adapter tree (`init_adapters`, unboxed).
+    scale: alpha / rank.
+    kernel_names: {kernel path name: logical axis names}: under jit, each update is constrained to its
+      kernel's layout (needs the mesh and axis rules in context). None = no constraint.
+
+  Raises:
+    ValueError: an adapter names a kernel the base lacks, or does not fit its shape.
+  """
+  flat = flax.traverse_util.flatten_dict(base)
+  for path, (a, b) in adapter_pairs(adapters).items():
+    if path not in flat:
+      raise ValueError(f"LoRA adapters for '{path_name(path)}', which the base model does not have")
+    w = flat[path]
+    update = delta(a, b, tuple(w.shape), path_name(path)) * scale
+    if kernel_names is not None:
+      update = nn.with_logical_constraint(update, kernel_names[path_name(path)])
+    flat[path] = w + update.astype(w.dtype)
+  return flax.traverse_util.unflatten_dict(flat)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraObjective:
+  """An objective over adapters: `inner` evaluated on the frozen base (frozen[BASE]) merged with them.
+
+  Attributes:
+    inner: the objective of the full model (e.g. LanguageModel).
+    scale: alpha / rank.
+    kernel_names: {kernel path name: logical axis names} of the adapted kernels (layout of the merge).
+  """
+  inner: Any
+  scale: float
+  kernel_names: Mapping[str, tuple]
+
+  @property
+  def features(self) -> tuple:
+    return self.inner.features
+
+  def loss(self, adapters, batch, frozen):
+    others = {name: tree for name, tree in frozen.items() if name != BASE}
+    if BASE not in frozen:
+      raise ValueError(f"the LoRA objective needs the base model's parameters as frozen['{BASE}']")
+    params = merge(frozen[BASE], adapters, self.scale, self.kernel_names)
+    return self.inner.loss(params, batch, others)
+
+
+def objective(inner, boxed_params: Params, config: LoraConfig) -> LoraObjective:
+  """`inner` wrapped for the adapters of `config.targets` over a base with these boxed parameters."""
+  kernels = target_kernels(boxed_params, config.targets)
+  return LoraObjective(inner=inner, scale=config.scale,
+                       kernel_names={path_name(p): _names(leaf) for p, leaf in kernels.items()})
+
+
+def count(params: Params) -> int:
+  return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def merge_checkpoint(model_dir: str, output_dir: str, step: Optional[int] = None) -> str:
+  """Writes a LoRA run's checkpoint merged with its base as a plain parameters-only checkpoint.
+
+  The output (OUTPUT_DIR/checkpoints/0, {'params': ...}) is what `restore_params`, infer/evaluate and
+  INITIAL_CHECKPOINT_PATH read; a model.gin next to the base's checkpoints (a converted base) is copied.
+
+  Args:
+    model_dir: the LoRA run's MODEL_DIR (newest step, or `step`) or one of its checkpoints/<step>.
+    output_dir: a new directory (an existing step 0 there is refused).
+
+  Returns:
+    The checkpoint directory written.
+  """
+  found, path = checkpointing.resolve_checkpoint(model_dir, step)
+  meta = checkpointing.read_metadata(path)
+  info = meta.get("lora")
+  if not info or not info.get("base"):
+    raise ValueError(f"{path} is not a LoRA run's checkpoint (its metadata has no 'lora.base' entry)")
+  _, adapters = checkpointing.restore_params(path)
+  _, base = checkpointing.restore_params(info["base"])
+  merged = jax.tree.map(np.asarray, merge(base, adapters, info["alpha"] / info["rank"]))
+  written = checkpointing.save_params(output_dir, merged, 0, {
+      "merged_from": path, "step": int(found), "merged_lora": info, "gin_config": meta.get("gin_config", ""),
+      "code_version": checkpointing.code_version()})
+  model_gin = epath.Path(info["base"]).parent.parent / "model.gin"
+  if model_gin.exists():
+    model_gin.copy(epath.Path(output_dir) / "model.gin", overwrite=True)
+  return written
