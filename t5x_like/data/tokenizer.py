@@ -1,8 +1,9 @@
 """Tokenizers: SentencePiece models and HF tokenizer.json files behind one interface; training.
 
-`load(path)` takes a SentencePiece `.model`, an HF `tokenizer.json`, or a folder holding either
-(tokenizer.json first). Both kinds encode without BOS/EOS, decode up to the first EOS, and have
-`pad_id`, `eos_id`, `bos_id`, `unk_id` (-1: none), `vocab_size`, `token_to_id`, `save` and `save_hf`.
+`load(path)` takes a SentencePiece `.model` (`Tokenizer`), an HF `tokenizer.json` (`HFTokenizer`,
+in hf_tokenizer.py), or a folder holding either (tokenizer.json first). Both kinds encode without
+BOS/EOS, decode up to the first EOS, and have `pad_id`, `eos_id`, `bos_id`, `unk_id` (-1: none),
+`vocab_size`, `token_to_id`, `filename`, `save` and `save_hf` (files `transformers.AutoTokenizer` loads).
 
 Special ids of an HF tokenizer come from `tokenizer_config.json`, then `special_tokens_map.json`
 (`bos_token`, `eos_token`, `unk_token`, `pad_token`), then `config.json` (`*_token_id`), all read
@@ -12,7 +13,8 @@ template, the model's unk token, conventional names such as `</s>` or `<|endofte
 Padding. The data pipeline recognises padding by its token value (packing.segment_rows gives
 `pad_id` tokens segment 0 and weight 0, and re-packing drops them), so the pad id must be one that
 documents never contain, and never EOS. A tokenizer without its own pad token (Llama's SentencePiece
-model has pad_id -1, HF Llama-3 and GPT-2 have none) gets, in this order, `choose_pad_id`:
+model has pad_id -1, HF Llama-3 and GPT-2 have none), or whose pad token is its EOS (a common
+Llama-3 config), gets the first of (`tokenizer_formats.choose_pad_id`):
   1. a special token whose name contains "pad" (Llama-3.1's <|finetune_right_pad_id|>);
   2. the highest-numbered special token whose name contains "reserved" (Llama-3's reserved tokens);
   3. the unknown token, when the model cannot emit it (byte fallback or byte-level BPE);
@@ -20,28 +22,27 @@ model has pad_id -1, HF Llama-3 and GPT-2 have none) gets, in this order, `choos
   5. `vocab_size`, one past the last id (GPT-2, whose only special token is EOS). The model's
      embedding has that row when its vocabulary is rounded up (the default rounds to 128, and
      `convert` pads imported models), and `decode` drops the id.
-Text that literally contains the chosen token (e.g. "<s>" when BOS pads an HF Llama-2 tokenizer) is
-encoded as that token, as in the HF tokenizer, and then counts as padding.
+HF tokenizers match special tokens written in the text (as transformers does), so a document that
+literally contains the chosen token's text (e.g. "<unk>", which pads HF Llama-2) holds that id, and
+it then counts as padding.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
 import os
-import posixpath
 import re
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import sentencepiece as spm
 import tensorflow as tf
-import tokenizers
 
 from t5x_like import files
 from t5x_like.data import tokenizer_formats
+from t5x_like.data.hf_tokenizer import HF_CONFIG, HF_FILE, ROLES, SIDE_FILES, HFTokenizer, write_hf
 
 PAD_ID = 0
 EOS_ID = 1
@@ -54,14 +55,6 @@ CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 _MAX_SENTENCE_BYTES = 8192
 _VOCAB_TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
 SENTENCEPIECE_FILE = "tokenizer.model"
-HF_FILE = "tokenizer.json"
-HF_CONFIG = "tokenizer_config.json"
-_HF_SIDE_FILES = (HF_CONFIG, "special_tokens_map.json")  # {bos,eos,unk,pad}_token, in this order
-_ROLES = ("bos", "eos", "unk", "pad")
-# Names that mark a special token's role when no config file names it.
-_CONVENTIONAL = {"bos": ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"),
-                 "eos": ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>"),
-                 "unk": ("<unk>", "[UNK]")}
 
 log = logging.getLogger(__name__)
 
@@ -75,85 +68,7 @@ def _read_bytes(path: str) -> bytes:
     raise FileNotFoundError(str(e)) from e
 
 
-def _join(folder: str, name: str) -> str:
-  return posixpath.join(folder, name) if "://" in folder else os.path.join(folder, name)
-
-
-def _dirname(path: str) -> str:
-  return posixpath.dirname(path) if "://" in path else os.path.dirname(path)
-
-
-def choose_pad_id(declared: int, eos_id: int, bos_id: int, unk_id: int, unk_emittable: bool,
-                  special_tokens: dict, vocab_size: int) -> int:
-  """The pad id: `declared` when it is >= 0 and not EOS, else the rule in the module docstring.
-
-  Args:
-    declared: the tokenizer's own pad id (-1: none).
-    eos_id, bos_id, unk_id: the tokenizer's ids (-1: none).
-    unk_emittable: whether encoding text can produce `unk_id`.
-    special_tokens: {content: id} of the special tokens.
-    vocab_size: one past the largest id.
-  """
-  if declared >= 0 and declared != eos_id:
-    return declared
-  taken = {eos_id, bos_id, unk_id}
-  named = sorted(i for t, i in special_tokens.items() if "pad" in t.lower() and i not in taken)
-  if named:
-    return named[0]
-  reserved = sorted(i for t, i in special_tokens.items() if "reserved" in t.lower() and i not in taken)
-  if reserved:
-    return reserved[-1]
-  if unk_id >= 0 and unk_id != eos_id and not unk_emittable:
-    return unk_id
-  if bos_id >= 0 and bos_id != eos_id:
-    return bos_id
-  return vocab_size
-
-
-class _Base:
-  """What both kinds share: the file's bytes, its hash, saving, and decoding rules."""
-
-  filename = ""  # the name a DATA_DIR stores this kind under
-
-  def __init__(self, data: bytes, path: str | None):
-    self._data = bytes(data)
-    self.path = path
-
-  @property
-  def model_proto(self) -> bytes:
-    """The bytes of the file `save` writes (a SentencePiece proto or tokenizer.json)."""
-    return self._data
-
-  @property
-  def sha256(self) -> str:
-    return hashlib.sha256(self._data).hexdigest()
-
-  @property
-  def encoder_model(self) -> bytes:
-    """Bytes from which `tokenizer_formats.encoder` builds an encoder with the same ids (for workers)."""
-    return self._data
-
-  @property
-  def encoding_sha256(self) -> str:
-    """SHA-256 of what fixes the tokens a document becomes (the encoder and EOS): a cache key."""
-    eos = int(self.eos_id).to_bytes(8, "little", signed=True)
-    return hashlib.sha256(self.encoder_model + eos).hexdigest()
-
-  def _decode_ids(self, ids: list[int]) -> str:
-    raise NotImplementedError
-
-  def decode(self, ids: Iterable[int]) -> str:
-    """Text of `ids`, stopping at the first EOS; padding and ids outside the vocabulary are dropped."""
-    out = []
-    for i in np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids).reshape(-1).tolist():
-      if i == self.eos_id:
-        break
-      if i != self.pad_id and 0 <= i < self.vocab_size:
-        out.append(int(i))
-    return self._decode_ids(out)
-
-
-class Tokenizer(_Base):
+class Tokenizer(tokenizer_formats.TokenizerBase):
   """A loaded SentencePiece model.
 
   Example:
@@ -171,8 +86,9 @@ class Tokenizer(_Base):
     byte0 = self._sp.piece_to_id("<0x00>")
     specials = {self._sp.id_to_piece(i): i for i in range(self._sp.get_piece_size())
                 if self._sp.is_control(i)}
-    self._pad = choose_pad_id(self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id(), self._sp.unk_id(),
-                              not self._sp.is_byte(byte0), specials, self._sp.get_piece_size())
+    self._pad = tokenizer_formats.choose_pad_id(self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id(),
+                                                self._sp.unk_id(), not self._sp.is_byte(byte0), specials,
+                                                self._sp.get_piece_size())
 
   @classmethod
   def load(cls, path: str) -> "Tokenizer":
@@ -232,167 +148,9 @@ class Tokenizer(_Base):
       raise ValueError(f"Tokenizer '{self.path}': {e}") from None
     data = converted.to_str().encode("utf-8")
     piece = lambda i: self._sp.id_to_piece(i) if 0 <= i < self.vocab_size else None
-    _write_hf(_join(os.fspath(output_dir), HF_FILE), data,
-              {r: piece(getattr(self, f"{r}_id")) for r in _ROLES},
-              {"split_special_tokens": True})  # control pieces are never read from text
-
-
-def _write_hf(path: str, data: bytes, tokens: dict, config: dict) -> None:
-  """tokenizer.json `data` at `path`, and beside it a tokenizer_config.json (`config` with its
-  tokenizer class and the special `tokens`, {role: content or None}) for transformers."""
-  config = {k: v for k, v in config.items() if k not in ("auto_map", "tokenizer_file")}
-  config.update(tokenizer_class="PreTrainedTokenizerFast", clean_up_tokenization_spaces=False,
-                **{f"{role}_token": tokens[role] for role in _ROLES})
-  files.write_atomic(path, data)
-  files.write_atomic(_join(_dirname(path) or ".", HF_CONFIG),
-                     json.dumps(config, indent=1, ensure_ascii=False) + "\n")
-
-
-def _config_token(value) -> str | None:
-  """A tokenizer_config / special_tokens_map entry: "<s>", {"content": "<s>", ...} or null."""
-  return value.get("content") if isinstance(value, dict) else value
-
-
-class HFTokenizer(_Base):
-  """A Hugging Face `tokenizers` tokenizer (tokenizer.json) with resolved special ids.
-
-  `encode(text)` is exactly `tokenizers.Tokenizer.encode(text, add_special_tokens=False).ids`
-  (with `split_special_tokens` from tokenizer_config.json applied, as transformers does).
-
-  Example:
-    >>> tok = load("llama3/")            # tokenizer.json + tokenizer_config.json
-    >>> tok.encode("def f(x):"), tok.eos_id, tok.pad_id
-  """
-
-  filename = HF_FILE
-
-  def __init__(self, data: bytes, path: str | None = None, config: dict | None = None,
-               side_files: Sequence[tuple[str, dict]] = (), model_config: dict | None = None):
-    """Builds the tokenizer from tokenizer.json bytes.
-
-    Args:
-      data: the bytes of tokenizer.json.
-      path: where they were read from (for messages).
-      config: tokenizer_config.json's content, kept for `save_hf` (None: none).
-      side_files: (file name, content) of tokenizer_config.json / special_tokens_map.json, first wins.
-      model_config: config.json's content (its `*_token_id` entries are the last resort).
-    """
-    super().__init__(data, path)
-    where = path or "tokenizer.json"
-    try:
-      self._tok = tokenizers.Tokenizer.from_str(self._data.decode("utf-8"))
-    except Exception as e:  # pylint: disable=broad-except  (the Rust parser's errors have no common type)
-      raise ValueError(f"Tokenizer '{where}' is not an HF tokenizer.json: {str(e).splitlines()[0]}") from None
-    self._config = dict(config or {})
-    self._split_special = bool(self._config.get("split_special_tokens", False))
-    self._tok.encode_special_tokens = self._split_special
-    vocab = self._tok.get_vocab(with_added_tokens=True)
-    self._vocab_size = max(vocab.values(), default=-1) + 1
-    spec = json.loads(self._data)
-    ids = self._resolve_special_ids(spec, list(side_files), model_config or {}, where)
-    model, pre = spec.get("model") or {}, json.dumps(spec.get("pre_tokenizer"))
-    unk_emittable = not (model.get("byte_fallback") or '"ByteLevel"' in pre)
-    specials = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
-    self._bos, self._eos, self._unk = ids["bos"], ids["eos"], ids["unk"]
-    self._pad = choose_pad_id(ids["pad"], self._eos, self._bos, self._unk, unk_emittable, specials,
-                              self._vocab_size)
-
-  def _resolve_special_ids(self, spec: dict, side_files, model_config: dict, where: str) -> dict:
-    """{role: id} from the side files, config.json, then tokenizer.json itself (-1: none)."""
-    out = {}
-    for role in _ROLES:
-      for name, content in side_files:
-        if f"{role}_token" in content:
-          token = _config_token(content[f"{role}_token"])
-          out[role] = -1 if token is None else self._tok.token_to_id(token)
-          if out[role] is None:
-            raise ValueError(f"Tokenizer '{where}': {name} names {role}_token '{token}', which is not in "
-                             "its vocabulary")
-          break
-      else:
-        value = model_config.get(f"{role}_token_id")
-        value = value[0] if isinstance(value, list) and value else value
-        out[role] = value if isinstance(value, int) else self._inferred_id(spec, role)
-    if out["eos"] < 0:
-      raise ValueError(f"Tokenizer '{where}' has no end-of-text token: name eos_token in a "
-                       f"{HF_CONFIG} next to it (none of {', '.join(_CONVENTIONAL['eos'])} is in it)")
-    return out
-
-  def _inferred_id(self, spec: dict, role: str) -> int:
-    """A role's id from tokenizer.json (`spec`) alone: the post-processor template, the model, names."""
-    if role in ("bos", "eos"):
-      template = (spec.get("post_processor") or {}).get("single") or []
-      kinds = [next(iter(item)) for item in template]
-      if "Sequence" in kinds:
-        a = kinds.index("Sequence")
-        side = template[:a][:1] if role == "bos" else template[a + 1:][-1:]
-        for item in side:
-          if "SpecialToken" in item and self._tok.token_to_id(item["SpecialToken"]["id"]) is not None:
-            return self._tok.token_to_id(item["SpecialToken"]["id"])
-    if role == "unk":
-      model = spec.get("model") or {}
-      if model.get("unk_token") and self._tok.token_to_id(model["unk_token"]) is not None:
-        return self._tok.token_to_id(model["unk_token"])
-      if isinstance(model.get("unk_id"), int):
-        return model["unk_id"]
-    for name in _CONVENTIONAL.get(role, ()):
-      if self._tok.token_to_id(name) is not None:
-        return self._tok.token_to_id(name)
-    return -1
-
-  @property
-  def encoder_model(self) -> bytes:
-    """tokenizer.json; with split_special_tokens, without its special added tokens (same ids then)."""
-    if not self._split_special:
-      return self._data
-    spec = json.loads(self._data)
-    spec["added_tokens"] = [t for t in spec.get("added_tokens") or [] if not t.get("special")]
-    return json.dumps(spec).encode("utf-8")
-
-  def save(self, path: str) -> None:
-    """Writes tokenizer.json to `path` and the tokenizer_config.json that pins its special ids beside it."""
-    tokens = {r: self._tok.id_to_token(i) if 0 <= i < self._vocab_size else None
-              for r, i in zip(_ROLES, (self.bos_id, self.eos_id, self.unk_id, self.pad_id))}
-    _write_hf(os.fspath(path), self._data, tokens,
-              dict(self._config, split_special_tokens=self._split_special))
-
-  def save_hf(self, output_dir: str) -> None:
-    """Writes tokenizer.json (unchanged) and tokenizer_config.json for `transformers.AutoTokenizer`."""
-    self.save(_join(os.fspath(output_dir), HF_FILE))
-
-  @property
-  def vocab_size(self) -> int:
-    """One past the largest id, added tokens included."""
-    return self._vocab_size
-
-  @property
-  def pad_id(self) -> int:
-    return self._pad
-
-  @property
-  def eos_id(self) -> int:
-    return self._eos
-
-  @property
-  def bos_id(self) -> int:
-    return self._bos
-
-  @property
-  def unk_id(self) -> int:
-    return self._unk
-
-  def encode(self, text: str | Sequence[str]):
-    """Token ids of `text` (or a list of id lists for a list of texts), without special tokens added."""
-    if isinstance(text, str):
-      return self._tok.encode(text, add_special_tokens=False).ids
-    return [e.ids for e in self._tok.encode_batch(list(text), add_special_tokens=False)]
-
-  def _decode_ids(self, ids: list[int]) -> str:
-    return self._tok.decode(ids, skip_special_tokens=False)
-
-  def token_to_id(self, piece: str) -> int | None:
-    """The id of `piece`, or None when the vocabulary lacks it."""
-    return self._tok.token_to_id(piece)
+    write_hf(os.path.join(os.fspath(output_dir), HF_FILE), data,
+             {r: piece(getattr(self, f"{r}_id")) for r in ROLES},
+             {"split_special_tokens": True})  # control pieces are never read from text
 
 
 def _read_json(path: str) -> dict | None:
@@ -433,18 +191,18 @@ def load(path: str) -> Tokenizer | HFTokenizer:
   path = os.fspath(path)
   if tf.io.gfile.isdir(path):
     for name in (HF_FILE, SENTENCEPIECE_FILE):
-      if tf.io.gfile.exists(_join(path, name)):
-        return load(_join(path, name))
+      if tf.io.gfile.exists(os.path.join(path, name)):
+        return load(os.path.join(path, name))
     raise FileNotFoundError(f"Tokenizer folder '{path}' holds neither {HF_FILE} nor {SENTENCEPIECE_FILE}")
   if not tf.io.gfile.exists(path):
     raise FileNotFoundError(f"Tokenizer '{path}' does not exist")
   data = _read_bytes(path)
   if not tokenizer_formats.is_tokenizer_json(data) and not path.endswith(".json"):
     return Tokenizer.load(path)
-  folder = _dirname(path) or "."
-  side = [(name, c) for name in _HF_SIDE_FILES if (c := _read_json(_join(folder, name))) is not None]
+  folder = os.path.dirname(path) or "."
+  side = [(name, c) for name in SIDE_FILES if (c := _read_json(os.path.join(folder, name))) is not None]
   return HFTokenizer(data, path, config=dict(side).get(HF_CONFIG), side_files=side,
-                     model_config=_read_json(_join(folder, "config.json")))
+                     model_config=_read_json(os.path.join(folder, "config.json")))
 
 
 def _training_sentences(texts: Iterable[str], max_chars: int | None) -> list[str]:

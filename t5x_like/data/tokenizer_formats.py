@@ -1,7 +1,9 @@
-"""Tokenizer file formats without I/O: SentencePiece model protos and HF tokenizer.json (TF-free for workers).
+"""What both tokenizer kinds share, and their file formats, without TensorFlow (workers import it).
 
-Three things live here because preprocessing workers import them without TensorFlow:
-- `encoder(model)`: a single-threaded `.encode(texts) -> [ids]` from a model's bytes, either kind;
+- `TokenizerBase`, `choose_pad_id`: the interface and the pad rule of `t5x_like.data.tokenizer.Tokenizer`
+  (SentencePiece) and `t5x_like.data.hf_tokenizer.HFTokenizer` (tokenizer.json);
+- `encoder(model)`: a single-threaded `.encode(texts) -> [ids]` from a model's bytes, either kind, for
+  preprocessing workers (they must not import TensorFlow);
 - `read_sentencepiece(proto)`: the fields of a SentencePiece ModelProto that a conversion needs, read
   straight from the protobuf wire format (the `sentencepiece_model_pb2` module that ships with
   sentencepiece is generated for a newer protobuf than the one TensorFlow pins);
@@ -11,10 +13,11 @@ Three things live here because preprocessing workers import them without TensorF
 from __future__ import annotations
 
 import dataclasses
-import json
+import hashlib
 import struct
-from typing import Sequence
+from typing import Iterable, Sequence
 
+import numpy as np
 import sentencepiece as spm
 import tokenizers
 from tokenizers import decoders, models, normalizers
@@ -54,6 +57,78 @@ def encoder(model: bytes, parallel: bool = False):
   if is_tokenizer_json(model):
     return _JsonEncoder(tokenizers.Tokenizer.from_str(model.decode("utf-8")), parallel)
   return spm.SentencePieceProcessor(model_proto=model, num_threads=0 if parallel else 1)
+
+
+def choose_pad_id(declared: int, eos_id: int, bos_id: int, unk_id: int, unk_emittable: bool,
+                  special_tokens: dict, vocab_size: int) -> int:
+  """The pad id: `declared` when it is >= 0 and not EOS, else the first that exists of (see
+  `t5x_like.data.tokenizer` for why): a special token named like padding, the highest reserved special
+  token, <unk> when text cannot produce it, BOS, and `vocab_size` (one past the vocabulary).
+
+  Args:
+    declared: the tokenizer's own pad id (-1: none).
+    eos_id, bos_id, unk_id: the tokenizer's ids (-1: none).
+    unk_emittable: whether encoding text can produce `unk_id`.
+    special_tokens: {content: id} of the special tokens.
+    vocab_size: one past the largest id.
+  """
+  if declared >= 0 and declared != eos_id:
+    return declared
+  taken = {eos_id, bos_id, unk_id}
+  named = sorted(i for t, i in special_tokens.items() if "pad" in t.lower() and i not in taken)
+  if named:
+    return named[0]
+  reserved = sorted(i for t, i in special_tokens.items() if "reserved" in t.lower() and i not in taken)
+  if reserved:
+    return reserved[-1]
+  if unk_id >= 0 and unk_id != eos_id and not unk_emittable:
+    return unk_id
+  if bos_id >= 0 and bos_id != eos_id:
+    return bos_id
+  return vocab_size
+
+
+class TokenizerBase:
+  """What both kinds share: the file's bytes, its hash, saving, and decoding rules."""
+
+  filename = ""  # the name a DATA_DIR stores this kind under
+
+  def __init__(self, data: bytes, path: str | None):
+    self._data = bytes(data)
+    self.path = path
+
+  @property
+  def model_proto(self) -> bytes:
+    """The bytes of the file `save` writes (a SentencePiece proto or tokenizer.json)."""
+    return self._data
+
+  @property
+  def sha256(self) -> str:
+    return hashlib.sha256(self._data).hexdigest()
+
+  @property
+  def encoder_model(self) -> bytes:
+    """Bytes from which `encoder` builds an encoder with the same ids (for workers)."""
+    return self._data
+
+  @property
+  def encoding_sha256(self) -> str:
+    """SHA-256 of what fixes the tokens a document becomes (the encoder and EOS): a cache key."""
+    eos = int(self.eos_id).to_bytes(8, "little", signed=True)
+    return hashlib.sha256(self.encoder_model + eos).hexdigest()
+
+  def _decode_ids(self, ids: list[int]) -> str:
+    raise NotImplementedError
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """Text of `ids`, stopping at the first EOS; padding and ids outside the vocabulary are dropped."""
+    out = []
+    for i in np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids).reshape(-1).tolist():
+      if i == self.eos_id:
+        break
+      if i != self.pad_id and 0 <= i < self.vocab_size:
+        out.append(int(i))
+    return self._decode_ids(out)
 
 
 def _fields(data: bytes):
