@@ -31,16 +31,19 @@ def _target(hw="h100", n=8, batch=512, seq=1024, tokens=1e10, per_host=0):
 
 
 def closed_form_params(cfg) -> int:
-  """Parameters of a GPT-2- or Llama-shaped decoder by hand: projections, biases, norms, embeddings, head."""
+  """Parameters of a GPT-2-, Llama- or Mixtral-shaped decoder by hand: projections, biases, norms, embeddings,
+  head; an MoE layer's MLP is num_experts MLPs of width moe_d_ff plus a bias-free d_model × num_experts router."""
   d, f, h, k, dh, v = cfg.d_model, cfg.d_ff, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.vocab_size
   gated = cfg.mlp_activation == "swiglu"
   norm = 2 * d if cfg.norm == "layernorm" else d
-  block = 2 * d * h * dh + 2 * d * k * dh + (3 if gated else 2) * d * f + 2 * norm
-  if cfg.use_bias:
-    block += h * dh + 2 * k * dh + d + (2 if gated else 1) * f + d
+  mlp = lambda width: (3 if gated else 2) * d * width + (((2 if gated else 1) * width + d) if cfg.use_bias else 0)
+  block = 2 * d * h * dh + 2 * d * k * dh + 2 * norm + (h * dh + 2 * k * dh + d if cfg.use_bias else 0)
+  moe_layers = cfg.num_layers // cfg.moe_every if cfg.num_experts else 0
+  moe_mlp = cfg.num_experts * mlp(cfg.moe_d_ff or f) + d * cfg.num_experts
   head = 0 if cfg.tie_embeddings else v * d + (v if cfg.use_bias else 0)
   positions = cfg.max_len * d if cfg.position_embedding == "learned" else 0
-  return cfg.num_layers * block + v * d + positions + norm + head
+  return (cfg.num_layers * block + (cfg.num_layers - moe_layers) * mlp(f) + moe_layers * moe_mlp + v * d + positions
+          + norm + head)
 
 
 @pytest.mark.parametrize("model_file", MODELS, ids=os.path.basename)
@@ -76,7 +79,7 @@ def test_infeasible_layouts_are_rejected_with_the_reason():
   assert "GPTConfig.num_heads=12 is not divisible by MESH_SHAPE['tensor']=8" in plan.structural_reason(GPT2, plan.Layout(tensor=8), target)
   assert "GPTConfig.num_layers=12 is not divisible by MESH_SHAPE['pipeline']=8" in plan.structural_reason(GPT2, plan.Layout(pipeline=8), target)
   odd = _target(batch=12)
-  assert "is not divisible by MESH_SHAPE['data']×MESH_SHAPE['fsdp']×NUM_MICROBATCHES = 8×1" in plan.structural_reason(GPT2, plan.Layout(data=8), odd)
+  assert "is not divisible by MESH_SHAPE['data']×MESH_SHAPE['fsdp']×MESH_SHAPE['expert']×NUM_MICROBATCHES = 8×1" in plan.structural_reason(GPT2, plan.Layout(data=8), odd)
   assert "spans hosts" in plan.structural_reason(GPT2, plan.Layout(tensor=4, data=2), _target(per_host=2))
   over = plan.evaluate(GPT3, plan.Layout(data=8), _target(batch=64, seq=2048))
   assert over.reason.startswith("needs ") and "GiB per device > 71.64 GiB (90% of h100)" in over.reason

@@ -1,4 +1,4 @@
-"""One pre-LN decoder block (attention + MLP) and the stacked layer scan with its remat policies."""
+"""One pre-LN decoder block (attention + dense or MoE MLP) and the stacked layer scan with its remat policies."""
 
 import functools
 
@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from t5x_like.model import layers
+from t5x_like.model import moe
 from t5x_like.model.config import GPTConfig
 from t5x_like.parallel import axis_names as ax
 
@@ -56,11 +57,13 @@ def rope_inverse_frequencies(cfg: GPTConfig):
 
 
 class Block(nn.Module):
-  """Pre-norm decoder block: x + attn(norm(x)); x + mlp(norm(x))."""
+  """Pre-norm decoder block: x + attn(norm(x)); x + mlp(norm(x)), the MLP dense or (`moe`) a mixture of experts."""
   config: GPTConfig
+  moe: bool = False
 
   @nn.compact
   def __call__(self, x, mask, positions=None, cache=None, cache_index=None):
+    """Returns (x, new cache or None, the MoE layer's (per-token stats, load) or None)."""
     cfg = self.config
     norm = functools.partial(layers.norm_layer(cfg.norm), dtype=cfg.compute_dtype, epsilon=cfg.layer_norm_epsilon)
     dense = functools.partial(layers.DenseGeneral, dtype=cfg.compute_dtype, use_bias=cfg.use_bias)
@@ -69,6 +72,9 @@ class Block(nn.Module):
     attn, new_cache = Attention(cfg, name="attn")(norm(name="ln_1")(x), mask, positions, cache, cache_index)
     x = x + checkpoint_name(attn, "attention_out")
     h = norm(name="ln_2")(x)
+    if self.moe:  # a token no query row of the mask admits is padding: not routed
+      out, stats = moe.MoeMlp(cfg, name="moe")(h, jnp.any(mask, axis=(1, 3)), dropless=cache is not None)
+      return layers.constrain(x + out, act_names), new_cache, stats
     mlp_in = functools.partial(dense, (cfg.d_model,), (cfg.d_ff,), (ax.EMBED, ax.MLP), (ax.MLP,))
     if cfg.mlp_activation == "swiglu":
       hidden = nn.silu(mlp_in(name="mlp_gate")(h)) * mlp_in(name="mlp_in")(h)
@@ -76,7 +82,35 @@ class Block(nn.Module):
       hidden = nn.gelu(mlp_in(name="mlp_in")(h))
     hidden = layers.constrain(hidden, (ax.BATCH, ax.LENGTH, ax.ACT_MLP))  # (B, T, F)
     x = x + dense((cfg.d_ff,), (cfg.d_model,), (ax.MLP, ax.EMBED), (ax.NORM,), name="mlp_out")(hidden)
-    return layers.constrain(x, act_names), new_cache
+    return layers.constrain(x, act_names), new_cache, None
+
+
+class BlockGroup(nn.Module):
+  """moe_every consecutive layers, `layer_0` .. `layer_{N-2}` dense and `layer_{N-1}` MoE: the element the layer
+  scan stacks when only every N-th layer is MoE, so the scan (and pipeline stages) still repeat one structure."""
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, x, mask, positions=None, cache=None, cache_index=None):
+    """Like Block; `cache` holds (k, v) with a leading (moe_every,) layer axis."""
+    n = self.config.moe_every
+    keys, values, stats = [], [], None
+    for j in range(n):
+      layer_cache = None if cache is None else (cache[0][j], cache[1][j])
+      x, new_cache, layer_stats = Block(self.config, moe=j == n - 1, name=f"layer_{j}")(
+          x, mask, positions, layer_cache, cache_index)
+      stats = layer_stats if layer_stats is not None else stats
+      if new_cache is not None:
+        keys.append(new_cache[0])
+        values.append(new_cache[1])
+    return x, ((jnp.stack(keys), jnp.stack(values)) if cache is not None else None), stats
+
+
+def unit_module(config: GPTConfig) -> nn.Module:
+  """The unbound module of one element of the stacked layers: a Block, or a BlockGroup of moe_every layers."""
+  if config.layers_per_unit > 1:
+    return BlockGroup(config, parent=None)
+  return Block(config, moe=bool(config.num_experts), parent=None)
 
 
 def remat_policy(name: str):
@@ -91,37 +125,62 @@ def remat_policy(name: str):
   }[name]
 
 
-def block_fn(config: GPTConfig):
-  """A pure function (block_params, x, mask, positions) → x applying one Block, rematerialised per the config."""
-  block = Block(config, parent=None)
+def unit_fn(config: GPTConfig):
+  """A pure function (unit_params, x, mask, positions) → (x, MoE (token stats, load) or None) applying one stacked
+  element (unit_module), rematerialised per the config."""
+  unit = unit_module(config)
 
   def apply(params, x, mask, positions):
-    return block.apply({"params": params}, x, mask, positions)[0]
+    out, _, stats = unit.apply({"params": params}, x, mask, positions)
+    return out, stats
 
-  policy = remat_policy(config.remat_policy)
   if config.remat_policy == "none":
     return apply
-  return jax.checkpoint(apply, policy=policy, prevent_cse=False)
+  return jax.checkpoint(apply, policy=remat_policy(config.remat_policy), prevent_cse=False)
+
+
+def block_fn(config: GPTConfig):
+  """A pure function (block_params, x, mask, positions) → x applying one stacked element (see unit_fn)."""
+  fn = unit_fn(config)
+  return lambda params, x, mask, positions: fn(params, x, mask, positions)[0]
+
+
+def run_blocks(config: GPTConfig, stacked_params, x, mask, positions, token_stats=None):
+  """Runs the stacked blocks (leading LAYERS axis) in order with lax.scan. x: (B, T, D); positions (B, T).
+
+  Returns (x, None) for a dense model; with experts (x, moe.MoeStats): per-token statistics summed over the
+  layers (added to `token_stats` when given, as a pipeline stage continues its predecessor's) and the expert
+  load of each MoE layer.
+  """
+  fn = unit_fn(config)
+  if not config.num_experts:
+    return jax.lax.scan(lambda h, params: (fn(params, h, mask, positions)[0], None), x, stacked_params)[0], None
+  if token_stats is None:
+    token_stats = jnp.zeros(x.shape[:2] + (len(moe.TOKEN_STATS),), jnp.float32)
+
+  def body(carry, params):
+    h, acc = carry
+    h, (token, load) = fn(params, h, mask, positions)
+    return (h, acc + token), load
+
+  (x, token_stats), loads = jax.lax.scan(body, (x, token_stats), stacked_params)
+  return x, moe.MoeStats(token=token_stats, load=loads)
 
 
 def scan_blocks(config: GPTConfig, stacked_params, x, mask, positions):
-  """Runs the stacked blocks (leading LAYERS axis) in order with lax.scan. x: (B, T, D); positions (B, T)."""
-  fn = block_fn(config)
-
-  def body(carry, params):
-    return fn(params, carry, mask, positions), None
-
-  return jax.lax.scan(body, x, stacked_params)[0]
+  """run_blocks without the MoE statistics: (B, T, D) → (B, T, D)."""
+  return run_blocks(config, stacked_params, x, mask, positions)[0]
 
 
 def init_stacked_blocks(config: GPTConfig, rng, num_layers: int):
-  """Initialises `num_layers` blocks stacked on a leading LAYERS axis, boxed with logical names."""
-  block = Block(config, parent=None)
+  """Initialises `num_layers` layers as num_layers / layers_per_unit stacked elements (unit_module) on a leading
+  LAYERS axis, boxed with logical names."""
+  unit = unit_module(config)
   dummy = jnp.zeros((1, 1, config.d_model), config.compute_dtype)
   dummy_mask = jnp.ones((1, 1, 1, 1), jnp.bool_)
   dummy_positions = jnp.zeros((1, 1), jnp.int32)
   # lax.map (a scan), not vmap: the blocks' activation constraints need an unbatched trace.
-  stacked = jax.lax.map(lambda r: block.init(r, dummy, dummy_mask, dummy_positions)["params"],
-                        jax.random.split(rng, num_layers))
+  stacked = jax.lax.map(lambda r: unit.init(r, dummy, dummy_mask, dummy_positions)["params"],
+                        jax.random.split(rng, num_layers // config.layers_per_unit))
   return jax.tree.map(lambda b: b.replace(names=(ax.LAYERS,) + tuple(b.names)), stacked,
                       is_leaf=lambda b: isinstance(b, nn.LogicallyPartitioned))

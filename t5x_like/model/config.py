@@ -44,6 +44,17 @@ class GPTConfig:
   num_kv_heads: int = 0  # key/value heads: 0 = num_heads (multi-head); fewer = grouped-query; 1 = multi-query
   use_bias: bool = True  # biases on the attention and MLP projections and on an untied lm_head
   valid_vocab_size: int = 0  # 0 = all rows; else rows ≥ this are padding (for sharding) and masked out of the softmax
+  # Mixture of experts (model/moe.py): the MLP of every moe_every-th layer becomes num_experts experts of the model's
+  # MLP kind, each token sent to its moe_top_k most probable by a float32 router. 0 experts = a dense model.
+  num_experts: int = 0  # experts per MoE layer; 0 = no MoE layers
+  moe_top_k: int = 2  # experts each token is sent to (1: Switch, gate = router probability; ≥ 2: gates renormalised)
+  moe_every: int = 1  # layers N, 2N, ... are MoE (the others dense); 1 = every layer (Mixtral), 2 = GShard / Switch
+  moe_d_ff: int = 0  # hidden width of one expert; 0 = d_ff
+  moe_capacity_factor: float = 1.25  # each expert takes ≤ ceil(top_k × group tokens × this / num_experts) per group
+  moe_dropless: bool = False  # capacity = the whole group: no token dropped (num_experts / top_k × the expert FLOPs)
+  moe_group_size: int = 0  # tokens per routing group (capacity is per group); 0 = one sequence
+  moe_load_balancing_weight: float = 0.01  # weight of the Switch/GShard load-balancing loss (mean over MoE layers)
+  moe_router_z_weight: float = 0.001  # weight of the ST-MoE router z-loss (mean over MoE layers)
 
   @property
   def kv_heads(self) -> int:
@@ -53,6 +64,24 @@ class GPTConfig:
   def fused_qkv(self) -> bool:
     """Multi-head attention keeps one fused (D, 3, H, Dh) projection; grouped-query splits query and key_value."""
     return self.kv_heads == self.num_heads
+
+  @property
+  def expert_d_ff(self) -> int:
+    return self.moe_d_ff or self.d_ff
+
+  @property
+  def layers_per_unit(self) -> int:
+    """Layers per element of the stacked layer scan: moe_every (moe_every − 1 dense + 1 MoE) with experts, else 1."""
+    return self.moe_every if self.num_experts else 1
+
+  @property
+  def num_units(self) -> int:
+    """Elements of the stacked layer scan (the LAYERS axis of `blocks`, split over pipeline stages)."""
+    return self.num_layers // self.layers_per_unit
+
+  @property
+  def num_moe_layers(self) -> int:
+    return self.num_units if self.num_experts else 0
 
   @property
   def head_dim(self) -> int:
@@ -95,9 +124,36 @@ class GPTConfig:
     if self.valid_vocab_size < 0 or self.valid_vocab_size > self.vocab_size:
       raise ValueError(f"GPTConfig.valid_vocab_size={self.valid_vocab_size} must be in [0, vocab_size="
                        f"{self.vocab_size}]")
-    if self.num_layers % self.num_stages:
-      raise ValueError(f"GPTConfig.num_layers={self.num_layers} is not divisible by "
+    self._validate_moe()
+    if self.num_units % self.num_stages:
+      raise ValueError(f"{self._layers_key}={self.num_units} is not divisible by "
                        f"{self.num_stages} pipeline stages")
+
+  @property
+  def _layers_key(self) -> str:
+    return "GPTConfig.num_layers" if self.layers_per_unit == 1 else "GPTConfig.num_layers / moe_every"
+
+  def _validate_moe(self) -> None:
+    if self.num_experts < 0:
+      raise ValueError(f"GPTConfig.num_experts={self.num_experts} must be ≥ 0 (0 = a dense model)")
+    if not self.num_experts:
+      return
+    checks = (
+        ("moe_top_k", self.moe_top_k, 1 <= self.moe_top_k <= self.num_experts,
+         f"must be in [1, num_experts={self.num_experts}]"),
+        ("moe_capacity_factor", self.moe_capacity_factor, self.moe_capacity_factor > 0,
+         "must be > 0 (moe_dropless=True for no capacity limit)"),
+        ("moe_every", self.moe_every, self.moe_every >= 1 and self.num_layers % self.moe_every == 0,
+         f"must be ≥ 1 and divide num_layers={self.num_layers}"),
+        ("moe_d_ff", self.moe_d_ff, self.moe_d_ff >= 0, "must be ≥ 0 (0 = d_ff)"),
+        ("moe_group_size", self.moe_group_size, self.moe_group_size >= 0, "must be ≥ 0 (0 = one sequence)"),
+        ("moe_load_balancing_weight", self.moe_load_balancing_weight, self.moe_load_balancing_weight >= 0,
+         "must be ≥ 0"),
+        ("moe_router_z_weight", self.moe_router_z_weight, self.moe_router_z_weight >= 0, "must be ≥ 0"),
+    )
+    for key, value, ok, expected in checks:
+      if not ok:
+        raise ValueError(f"GPTConfig.{key}={value} {expected}")
 
   def sharded_dims(self) -> tuple:
     """The widths the rules table shards, with the logical axis that splits each (parallel.layout.check)."""
@@ -106,7 +162,9 @@ class GPTConfig:
             layout.Dim("GPTConfig.d_ff", self.d_ff, ax.MLP),
             layout.Dim("GPTConfig.vocab_size", self.vocab_size, ax.VOCAB),
             layout.Dim("GPTConfig.d_model", self.d_model, ax.EMBED),
-            layout.Dim("GPTConfig.num_layers", self.num_layers, ax.LAYERS))
+            layout.Dim(self._layers_key, self.num_units, ax.LAYERS)) + (
+                (layout.Dim("GPTConfig.num_experts", self.num_experts, ax.EXPERT),
+                 layout.Dim("GPTConfig.moe_d_ff", self.expert_d_ff, ax.MLP)) if self.num_experts else ())
 
 
 def _has_host_offload() -> bool:

@@ -12,9 +12,13 @@ import jax.numpy as jnp
 
 from t5x_like.model import layers
 from t5x_like.model import pipeline_parallel
-from t5x_like.model.blocks import Block, init_stacked_blocks, scan_blocks
+from t5x_like.model import moe
+from t5x_like.model.blocks import init_stacked_blocks, run_blocks, unit_module
 from t5x_like.model.config import GPTConfig  # re-exported: decoder.GPTConfig is the config most callers name
 from t5x_like.parallel import axis_names as ax
+
+
+MOE_STATS = "moe_stats"  # the "intermediates" entry holding the MoE layers' moe.MoeStats (a 1-tuple, as sown)
 
 
 class GPT(nn.Module):
@@ -54,13 +58,15 @@ class GPT(nn.Module):
       x = x + layers.lookup(pos_table, positions, ax.POSITION)
     blocks = self.param("blocks", lambda r: init_stacked_blocks(cfg, r, cfg.num_layers))
     x = layers.constrain(x.astype(cfg.compute_dtype), (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))  # (B, T, D)
-    new_cache = None
+    new_cache = moe_stats = None
     if cache is not None:
       x, new_cache = self._decode_blocks(blocks, x, segment_ids, positions, cache, cache_index)
     elif cfg.num_stages > 1 and not self.is_initializing():  # init only needs shapes: run sequentially
-      x = pipeline_parallel.pipeline_blocks(cfg, blocks, x, segment_ids, positions)
+      x, moe_stats = pipeline_parallel.run_pipeline_blocks(cfg, blocks, x, segment_ids, positions)
     else:
-      x = scan_blocks(cfg, blocks, x, layers.causal_segment_mask(segment_ids), positions)
+      x, moe_stats = run_blocks(cfg, blocks, x, layers.causal_segment_mask(segment_ids), positions)
+    if moe_stats is not None and not self.is_initializing():  # kept when "intermediates" is mutable
+      self.sow("intermediates", MOE_STATS, moe_stats)
     x = layers.norm_layer(cfg.norm)(dtype=cfg.compute_dtype, epsilon=cfg.layer_norm_epsilon, name="ln_f")(x)
     if not cfg.tie_embeddings:  # created here so init makes it; applied by project_logits
       layers.DenseGeneral((cfg.d_model,), (cfg.vocab_size,), (ax.EMBED, ax.VOCAB), (ax.VOCAB,),
@@ -73,7 +79,7 @@ class GPT(nn.Module):
   def _decode_blocks(self, blocks, x, segment_ids, positions, cache, cache_index):
     """Blocks over a KV cache: this chunk's keys/values are written at slots cache_index.., and each
     query attends to the filled, non-padding slots at or before its own."""
-    block = Block(self.config, parent=None)
+    unit, n = unit_module(self.config), self.config.layers_per_unit
     seg = jax.lax.dynamic_update_slice_in_dim(cache["segment_ids"], segment_ids, cache_index, axis=1)
     query_slots = cache_index + jnp.arange(x.shape[1])  # (T,)
     key_slots = jnp.arange(seg.shape[1])  # (S,)
@@ -81,12 +87,14 @@ class GPT(nn.Module):
 
     def body(h, layer):
       params, k_cache, v_cache = layer
-      h, (k_new, v_new) = block.apply({"params": params}, h, mask[:, None], positions, (k_cache, v_cache),
-                                      cache_index)
+      h, (k_new, v_new), _ = unit.apply({"params": params}, h, mask[:, None], positions, (k_cache, v_cache),
+                                        cache_index)
       return h, (k_new, v_new)
 
-    x, (k, v) = jax.lax.scan(body, x, (blocks, cache["k"], cache["v"]))
-    return x, {"k": k, "v": v, "segment_ids": seg}
+    by_unit = lambda c: c.reshape((c.shape[0] // n, n) + c.shape[1:]) if n > 1 else c  # (L/N, N, ...) per unit
+    x, (k, v) = jax.lax.scan(body, x, (blocks, by_unit(cache["k"]), by_unit(cache["v"])))
+    by_layer = lambda c: c.reshape((-1,) + c.shape[2:]) if n > 1 else c
+    return x, {"k": by_layer(k), "v": by_layer(v), "segment_ids": seg}
 
 
 def project_logits(params, hidden: jax.Array, config: GPTConfig) -> jax.Array:
@@ -116,6 +124,12 @@ def init_cache(config: GPTConfig, batch: int, length: int, dtype=None) -> dict:
   dtype = dtype or config.compute_dtype
   return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
           "segment_ids": jnp.zeros((batch, length), jnp.int32)}
+
+
+def moe_stats(state: dict):
+  """The moe.MoeStats an `apply(..., mutable=["intermediates"])` returned in its state; None for a dense model."""
+  sown = state.get("intermediates", {}).get(MOE_STATS)
+  return moe.MoeStats(*sown[0]) if sown else None
 
 
 def count_params(config: GPTConfig) -> int:

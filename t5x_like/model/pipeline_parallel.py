@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from t5x_like.parallel import axis_names as ax
 from t5x_like.model import layers
 from t5x_like.model import blocks as blocks_lib
+from t5x_like.model import moe
 from t5x_like.model.config import GPTConfig, pipeline_microbatches
 
 _ACT = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
@@ -34,15 +35,15 @@ def bubble_fraction(num_stages: int, microbatches: int) -> float:
 
 @functools.lru_cache(maxsize=None)
 def _block_param_names(config: GPTConfig):
-  """Logical names of one Block's parameters (no LAYERS axis), as a params-shaped tree of tuples."""
-  block = blocks_lib.Block(config, parent=None)
+  """Logical names of one stacked element's parameters (no LAYERS axis), as a params-shaped tree of tuples."""
+  block = blocks_lib.unit_module(config)
   shapes = jax.eval_shape(lambda: block.init(jax.random.key(0), jnp.zeros((1, 1, config.d_model), config.compute_dtype),
                                              jnp.ones((1, 1, 1, 1), jnp.bool_), jnp.zeros((1, 1), jnp.int32))["params"])
   return jax.tree.map(lambda b: tuple(b.names), shapes, is_leaf=lambda b: isinstance(b, nn.LogicallyPartitioned))
 
 
 def stage_params(config: GPTConfig, stacked_params):
-  """(L, ...) stacked block parameters → (P, L/P, ...), stage axis constrained to STAGE's mesh axis."""
+  """(U, ...) stacked block parameters → (P, U/P, ...), stage axis constrained to STAGE's mesh axis."""
   p = config.num_stages
   names = _block_param_names(config)
 
@@ -73,7 +74,12 @@ def _merge(x):
 
 
 def pipeline_blocks(config: GPTConfig, stacked_params, x, segment_ids, positions):
-  """Applies the stacked blocks like `model.scan_blocks`, split into `num_stages` pipelined stages.
+  """run_pipeline_blocks without the MoE statistics: (B, T, D) → (B, T, D)."""
+  return run_pipeline_blocks(config, stacked_params, x, segment_ids, positions)[0]
+
+
+def run_pipeline_blocks(config: GPTConfig, stacked_params, x, segment_ids, positions):
+  """Applies the stacked blocks like `blocks.run_blocks`, split into `num_stages` pipelined stages.
 
   Args:
     config: the model config; `num_stages` > 1 divides `num_layers`.
@@ -83,7 +89,9 @@ def pipeline_blocks(config: GPTConfig, stacked_params, x, segment_ids, positions
     positions: (B, T) position of each token in its document (rotary embeddings), carried like segment_ids.
 
   Returns:
-    (B, T, D), equal to the sequential run.
+    (B, T, D), equal to the sequential run, and like `blocks.run_blocks` its moe.MoeStats (None if dense):
+    each microbatch's per-token statistics travel through the stages with it (each stage adds its layers'),
+    and each stage's expert loads count only the iterations where it holds a real microbatch.
   """
   p = config.num_stages
   m = pipeline_microbatches(config)
@@ -97,23 +105,39 @@ def pipeline_blocks(config: GPTConfig, stacked_params, x, segment_ids, positions
   segments = _split(segment_ids, m)  # (M, mb, T)
   pos = _split(positions, m)  # (M, mb, T)
   is_first = (jnp.arange(p) == 0)  # (P,)
+  real = lambda i: (i >= jnp.arange(p)) & (i - jnp.arange(p) < m)  # (P,): stage s holds microbatch i − s
+  first = lambda new, old: jnp.where(is_first.reshape((p,) + (1,) * (old.ndim - 1)), new, old)
 
-  def run_stage(stage_weights, h, seg, stage_pos):  # one stage: its L/P layers on one microbatch
-    return blocks_lib.scan_blocks(config, stage_weights, h, layers.causal_segment_mask(seg), stage_pos)
+  def run_stage(stage_weights, h, seg, stage_pos, stats):  # one stage: its U/P stacked elements on one microbatch
+    return blocks_lib.run_blocks(config, stage_weights, h, layers.causal_segment_mask(seg), stage_pos, stats)
 
   run_stages = jax.vmap(run_stage, spmd_axis_name=_stage_axis_name())
 
   def iteration(carry, i):
-    state, state_seg, state_pos = carry  # (P, mb, T, D), (P, mb, T), (P, mb, T)
-    state = jnp.where(is_first[:, None, None, None], inputs[i % m][None], state)  # stage 0 takes microbatch i
-    state_seg = jnp.where(is_first[:, None, None], segments[i % m][None], state_seg)
-    state_pos = jnp.where(is_first[:, None, None], pos[i % m][None], state_pos)
-    out = layers.constrain(run_stages(params, state, state_seg, state_pos), (ax.STAGE,) + _ACT)
-    last = out[p - 1]  # microbatch i − (P − 1), valid once i ≥ P − 1
-    return (jnp.roll(out, 1, axis=0), jnp.roll(state_seg, 1, axis=0), jnp.roll(state_pos, 1, axis=0)), last
+    # (P, mb, T, D), (P, mb, T), (P, mb, T); with experts (P, mb, T, S) token stats and (P, U/P, E) loads
+    state, state_seg, state_pos, state_stats, loads = carry
+    state = first(inputs[i % m][None], state)  # stage 0 takes microbatch i
+    state_seg = first(segments[i % m][None], state_seg)
+    state_pos = first(pos[i % m][None], state_pos)
+    if state_stats is not None:
+      state_stats = first(jnp.zeros_like(state_stats), state_stats)  # a new microbatch's statistics start at 0
+    out, stats = run_stages(params, state, state_seg, state_pos, state_stats)
+    out = layers.constrain(out, (ax.STAGE,) + _ACT)
+    if stats is not None:
+      loads = loads + jnp.where(real(i)[:, None, None], stats.load, 0.0)
+      state_stats = stats.token
+    roll = lambda a: None if a is None else jnp.roll(a, 1, axis=0)
+    last = (out[p - 1], None if stats is None else stats.token[p - 1])  # microbatch i − (P − 1), once i ≥ P − 1
+    return (roll(out), roll(state_seg), roll(state_pos), roll(state_stats), loads), last
 
   state = layers.constrain(jnp.zeros((p, mb, t, d), x.dtype), (ax.STAGE,) + _ACT)
-  state_seg = jnp.ones((p, mb, t), segment_ids.dtype)
-  state_pos = jnp.zeros((p, mb, t), positions.dtype)
-  _, outs = jax.lax.scan(iteration, (state, state_seg, state_pos), jnp.arange(m + p - 1))
-  return _merge(outs[p - 1:])  # (B, T, D)
+  state_stats = loads = None
+  if config.num_experts:
+    state_stats = jnp.zeros((p, mb, t, len(moe.TOKEN_STATS)), jnp.float32)
+    loads = jnp.zeros((p, config.num_units // p, config.num_experts), jnp.float32)
+  init = (state, jnp.ones((p, mb, t), segment_ids.dtype), jnp.zeros((p, mb, t), positions.dtype), state_stats, loads)
+  (*_, loads), (outs, token_stats) = jax.lax.scan(iteration, init, jnp.arange(m + p - 1))
+  if not config.num_experts:
+    return _merge(outs[p - 1:]), None  # (B, T, D)
+  stats = moe.MoeStats(token=_merge(token_stats[p - 1:]), load=loads.reshape(-1, config.num_experts))
+  return _merge(outs[p - 1:]), stats

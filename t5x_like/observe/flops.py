@@ -12,14 +12,40 @@ parameters are included (a rounding error at these sizes). L·T·d = L·H·Q·T:
 attention·V are 2·T·d multiply-adds each in the forward pass, ×3 for forward + backward. PaLM does
 not halve it for causal masking; `causal_halved=True` counts only the unmasked half. These are *model*
 FLOPs: rematerialisation's recomputed forward is not counted (see `hardware_flops_per_token`).
+
+Mixture of experts: N counts the *active* parameters, those one token meets: the router and top_k of the
+num_experts experts of each MoE layer (`active_params`); the other experts' weights are stored, not used. What
+routing adds on the device (the one-hot dispatch/combine einsums, and the experts' MLPs run over every buffer
+slot, empty ones included) is hardware FLOPs only (`moe_dispatch_flops_per_token`, `hardware_flops_per_token`).
 """
 
 from t5x_like.model import decoder as model_lib
+from t5x_like.model import moe
+
+
+def expert_params(cfg: model_lib.GPTConfig) -> int:
+  """Parameters of one expert: its two (GELU) or three (SwiGLU) matrices and their biases."""
+  d, f = cfg.d_model, cfg.expert_d_ff
+  mats = 3 if cfg.mlp_activation == "swiglu" else 2
+  biases = ((mats - 1) * f + d) if cfg.use_bias else 0
+  return mats * d * f + biases
+
+
+def inactive_params(cfg: model_lib.GPTConfig) -> int:
+  """Expert parameters a token does not meet: (num_experts − top_k) experts in each MoE layer (0 if dense)."""
+  if not cfg.num_experts:
+    return 0
+  return cfg.num_moe_layers * (cfg.num_experts - cfg.moe_top_k) * expert_params(cfg)
+
+
+def active_params(cfg: model_lib.GPTConfig) -> int:
+  """All parameters less the experts a token is not routed to (= count_params for a dense model)."""
+  return model_lib.count_params(cfg) - inactive_params(cfg)
 
 
 def matmul_params(cfg: model_lib.GPTConfig) -> int:
-  """N of the formula: all parameters minus those only gathered (position table, untied input table)."""
-  n = model_lib.count_params(cfg)
+  """N of the formula: the active parameters minus those only gathered (position table, untied input table)."""
+  n = active_params(cfg)
   if cfg.position_embedding == "learned":
     n -= cfg.max_len * cfg.d_model
   if not cfg.tie_embeddings:
@@ -27,13 +53,49 @@ def matmul_params(cfg: model_lib.GPTConfig) -> int:
   return n
 
 
+def _projection_split(cfg: model_lib.GPTConfig) -> tuple:
+  """Per layer (the mean over layers when only some are MoE), the active projection weights a token meets, as
+  (query + keys/values, attention output, MLP input side (+ router), MLP output); biases and norms left out."""
+  d = cfg.d_model
+  qkv = d * d + 2 * d * cfg.kv_heads * cfg.head_dim
+  ins = 2 if cfg.mlp_activation == "swiglu" else 1
+  dense_in, dense_out = ins * d * cfg.d_ff, d * cfg.d_ff
+  if not cfg.num_experts:
+    return qkv, d * d, dense_in, dense_out
+  moe_share = cfg.num_moe_layers / cfg.num_layers
+  moe_in = cfg.moe_top_k * ins * d * cfg.expert_d_ff + d * cfg.num_experts
+  moe_out = cfg.moe_top_k * d * cfg.expert_d_ff
+  mix = lambda dense, sparse: (1 - moe_share) * dense + moe_share * sparse
+  return qkv, d * d, mix(dense_in, moe_in), mix(dense_out, moe_out)
+
+
 def block_projection_params(cfg: model_lib.GPTConfig) -> int:
-  """Weights of one block's projections: query, keys/values (grouped-query: K heads), output, and the MLP's two
-  (GELU) or three (SwiGLU) matrices; biases and norms left out."""
-  d, f = cfg.d_model, cfg.d_ff
-  kv = 2 * d * cfg.kv_heads * cfg.head_dim
-  mlp = (3 if cfg.mlp_activation == "swiglu" else 2) * d * f
-  return 2 * d * d + kv + mlp
+  """Weights of one block's projections a token meets: query, keys/values (grouped-query: K heads), output, and
+  the MLP's two (GELU) or three (SwiGLU) matrices (an MoE layer: top_k experts' and the router); biases and
+  norms left out. With MoE layers only every moe_every-th, the mean over layers."""
+  return round(sum(_projection_split(cfg)))
+
+
+def _expert_matmul_flops(cfg: model_lib.GPTConfig) -> float:
+  """Forward FLOPs per token of the top_k experts' matmuls, the mean over layers."""
+  if not cfg.num_experts:
+    return 0.0
+  ins = 2 if cfg.mlp_activation == "swiglu" else 1
+  return 2.0 * cfg.num_moe_layers / cfg.num_layers * cfg.moe_top_k * (ins + 1) * cfg.d_model * cfg.expert_d_ff
+
+
+def moe_dispatch_flops_per_token(cfg: model_lib.GPTConfig, seq_len: int) -> float:
+  """Forward FLOPs per token that routing adds on the device, summed over the MoE layers: the dispatch and
+  combine einsums (2·E·C·d each, C = capacity of a group) and the experts' MLPs over the empty buffer slots
+  (E·C slots per group of S tokens instead of top_k·S)."""
+  if not cfg.num_experts:
+    return 0.0
+  group = moe.routing_group_size(cfg, seq_len)
+  slots = cfg.num_experts * moe.capacity(cfg, group) / group  # expert buffer slots per token
+  ins = 2 if cfg.mlp_activation == "swiglu" else 1
+  per_slot = 2.0 * (ins + 1) * cfg.d_model * cfg.expert_d_ff
+  padding = max(0.0, slots - cfg.moe_top_k) * per_slot
+  return cfg.num_moe_layers * (2 * 2.0 * slots * cfg.d_model + padding)
 
 
 def _attention_flops(cfg: model_lib.GPTConfig, seq_len: int, causal_halved: bool) -> float:
@@ -62,18 +124,19 @@ def hardware_flops_per_token(cfg: model_lib.GPTConfig, seq_len: int, remat_polic
   outside the remat scope and are never recomputed.
   """
   policy = cfg.remat_policy if remat_policy is None else remat_policy
-  d, f = cfg.d_model, cfg.d_ff
-  block_matmul = 2.0 * block_projection_params(cfg)  # forward FLOPs/token of one block's projections
-  qkv_and_mlp_in = block_projection_params(cfg) - d * d - d * f  # recomputed under save_attention_out
+  qkv, _, mlp_in, _ = _projection_split(cfg)
+  block_matmul = 2.0 * sum(_projection_split(cfg))  # forward FLOPs/token of one block's projections
   attn = _attention_flops(cfg, seq_len, causal_halved) / cfg.num_layers  # per layer, forward
+  routing = moe_dispatch_flops_per_token(cfg, seq_len) / cfg.num_layers  # per layer, forward
   per_layer_fwd = {
       "none": 0.0,
       "offload_dots": 0.0,
-      "full": block_matmul + attn,
-      "save_dots": attn,
-      "save_attention_out": 2.0 * qkv_and_mlp_in + attn,
+      "full": block_matmul + attn + routing,
+      "save_dots": attn + routing + _expert_matmul_flops(cfg),  # the experts' einsums have a batch (expert) dim
+      "save_attention_out": 2.0 * (qkv + mlp_in) + attn + routing,
   }[policy]
-  return train_flops_per_token(cfg, seq_len, causal_halved) + cfg.num_layers * per_layer_fwd
+  return (train_flops_per_token(cfg, seq_len, causal_halved) + 3.0 * moe_dispatch_flops_per_token(cfg, seq_len)
+          + cfg.num_layers * per_layer_fwd)
 
 
 def mfu(tokens_per_sec: float, flops_per_token: float, num_devices: int, peak_per_device: float) -> float:

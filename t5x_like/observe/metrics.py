@@ -88,12 +88,16 @@ def host_memory() -> dict:
   return out
 
 
+# What training/step.py's train_step reports itself; any other key is an objective's metric (e.g. moe/*).
+_STEP_KEYS = frozenset({"loss", "tokens", "grad_norm", "param_norm", "lr", "nonfinite", "loss_scale", "overflow"})
+
+
 def mean_step_metrics(records: list) -> dict:
   """Averages per-step metrics (fetched to host) over a log interval.
 
-  loss is weighted by each step's loss tokens (Σ weight), so the interval loss is the mean over all
-  its tokens; grad_norm is the mean over steps; param_norm and lr are the last step's. A single step
-  keeps its loss exactly as the device computed it.
+  loss, and each metric of the objective, is weighted by each step's loss tokens (Σ weight), so the
+  interval loss is the mean over all its tokens; grad_norm is the mean over steps; param_norm and lr are
+  the last step's. A single step keeps its loss (and metrics) exactly as the device computed them.
   """
   tokens = np.array([r["tokens"] for r in records], np.float64)
   losses = np.array([r["loss"] for r in records], np.float64)
@@ -108,8 +112,11 @@ def mean_step_metrics(records: list) -> dict:
   if "loss_scale" in records[-1]:  # dynamic loss scaling (float16): skipped steps and the current scale
     out["overflow_steps"] = int(sum(int(r["overflow"]) for r in records))
     out["loss_scale"] = float(records[-1]["loss_scale"])
+  for name in sorted(set(records[-1]) - _STEP_KEYS):  # the objective's metrics: per-token means, like loss
+    out[name] = float(np.sum(tokens * np.array([r[name] for r in records], np.float64)) / max(tokens.sum(), 1.0))
   if len(records) == 1:
     out["loss"] = float(records[0]["loss"])
+    out.update({name: float(records[0][name]) for name in set(records[0]) - _STEP_KEYS})
   out["perplexity"] = perplexity(out["loss"])
   return out
 

@@ -13,6 +13,7 @@ VOCAB = "vocab"  # vocabulary entries
 LAYERS = "layers"  # stacked decoder blocks
 NORM = "norm"  # LayerNorm scale/bias vectors
 POSITION = "position"  # rows of the learned position table
+EXPERT = "expert"  # experts of a mixture-of-experts layer (weights stacked over experts)
 
 # Activation axes.
 BATCH = "batch"  # sequences
@@ -23,3 +24,5 @@ ACT_KV_HEADS = "activation_kv_heads"  # key/value heads of an activation (and of
 ACT_MLP = "activation_mlp"  # hidden units of an activation
 ACT_VOCAB = "activation_vocab"  # logits' vocabulary axis
 STAGE = "stage"  # pipeline stage of a stacked activation or parameter
+ACT_EXPERT = "activation_expert"  # expert axis of tokens dispatched to experts (E, groups, capacity, ...)
+EXPERT_GROUPS = "expert_groups"  # routing groups of dispatched tokens: the batch less the axes that split experts

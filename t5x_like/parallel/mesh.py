@@ -1,4 +1,4 @@
-"""Device mesh over (pipeline, data, fsdp, tensor) built from MESH_SHAPE; −1 fills the remaining devices."""
+"""Device mesh over (pipeline, data, fsdp, expert, tensor) built from MESH_SHAPE; −1 fills the remaining devices."""
 
 import math
 from typing import Mapping, Optional, Sequence
@@ -7,7 +7,8 @@ import jax
 from jax.experimental import mesh_utils
 import numpy as np
 
-AXES = ("pipeline", "data", "fsdp", "tensor")  # outermost first; tensor innermost (fastest links)
+# Outermost first; tensor innermost (fastest links), expert next to it (its all-to-alls are the next chattiest).
+AXES = ("pipeline", "data", "fsdp", "expert", "tensor")
 
 
 def resolve_mesh_shape(mesh_shape: Mapping[str, int], num_devices: int) -> dict:
@@ -41,23 +42,25 @@ def resolve_mesh_shape(mesh_shape: Mapping[str, int], num_devices: int) -> dict:
 
 
 def split_over_granules(shape: Mapping[str, int], num_granules: int) -> tuple:
-  """(per-granule shape, across-granule shape), each a dict over AXES: the slower links between
+  """(per-granule shape, across-granule shape), each a dict over the AXES `shape` names: the slower links between
   granules (slices over DCN, or hosts over the network) go to the outermost axes first.
 
-  Example: {'pipeline': 2, 'data': 4, 'fsdp': 2, 'tensor': 8} over 4 slices → across: pipeline 2,
-  data 2; within a slice: data 2, fsdp 2, tensor 8.
+  Example: {'pipeline': 2, 'data': 4, 'fsdp': 2, 'expert': 1, 'tensor': 8} over 4 slices → across:
+  pipeline 2, data 2; within a slice: data 2, fsdp 2, tensor 8. `expert` crosses granules only when
+  the axes outside it cannot absorb them (its all-to-alls would then run over the slow links).
 
   Raises:
     ValueError: when the outer axes cannot absorb `num_granules` (it would split `tensor` over DCN).
   """
   across, left = {}, num_granules
-  for name in AXES:
+  names = [name for name in AXES if name in shape]
+  for name in names:
     across[name] = math.gcd(shape[name], left) if name != "tensor" else 1
     left //= across[name]
   if left != 1:
     raise ValueError(f"MESH_SHAPE {dict(shape)} cannot spread {num_granules} slices/hosts over its outer axes "
-                     f"(pipeline, data, fsdp): make their product a multiple of {num_granules}")
-  return {name: shape[name] // across[name] for name in AXES}, across
+                     f"(pipeline, data, fsdp, expert): make their product a multiple of {num_granules}")
+  return {name: shape[name] // across[name] for name in names}, across
 
 
 def _num_granules(devices: Sequence[jax.Device]) -> tuple:
@@ -97,5 +100,5 @@ def create_mesh(mesh_shape: Mapping[str, int], devices: Optional[Sequence[jax.De
 
 
 def data_parallel_size(mesh: jax.sharding.Mesh) -> int:
-  """How many ways the batch is split (data × fsdp)."""
-  return mesh.shape["data"] * mesh.shape["fsdp"]
+  """How many ways the batch is split (data × fsdp × expert)."""
+  return mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]

@@ -12,7 +12,9 @@ Rules = Sequence[tuple]
 
 # The only place that names mesh axes. Each logical axis maps to a mesh axis, a tuple of them, or None.
 DEFAULT_RULES: Rules = (
-    (ax.BATCH, ("data", "fsdp")),
+    # `expert` splits the batch too: outside MoE layers it is one more data-parallel axis, and a
+    # dispatch trades the batch split over `expert` for the expert split (an all-to-all).
+    (ax.BATCH, ("data", "fsdp", "expert")),
     (ax.EMBED, "fsdp"),
     (ax.MLP, "tensor"),
     (ax.HEADS, "tensor"),
@@ -29,6 +31,9 @@ DEFAULT_RULES: Rules = (
     (ax.ACT_KV_HEADS, "tensor"),
     (ax.ACT_MLP, "tensor"),
     (ax.ACT_VOCAB, "tensor"),
+    (ax.EXPERT, "expert"),
+    (ax.ACT_EXPERT, "expert"),
+    (ax.EXPERT_GROUPS, ("data", "fsdp")),
 )
 
 

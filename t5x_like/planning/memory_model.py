@@ -16,9 +16,11 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
+from t5x_like.parallel import axis_names as ax
 from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.model import config as config_lib
 from t5x_like.model import decoder as model_lib
+from t5x_like.model import moe
 from t5x_like.parallel import partitioning
 from t5x_like.parallel import offload
 from t5x_like.training import optimizer
@@ -42,6 +44,7 @@ class Layout:
   pipeline: int = 1  # pipeline stages (mesh axis `pipeline`)
   data: int = 1  # pure data parallelism (mesh axis `data`)
   fsdp: int = 1  # data parallelism with sharded params/grads/optimizer state (mesh axis `fsdp`)
+  expert: int = 1  # experts split over it in MoE layers, the batch elsewhere (mesh axis `expert`)
   tensor: int = 1  # Megatron tensor parallelism over heads / d_ff / vocab (mesh axis `tensor`)
   num_microbatches: int = 1  # gradient-accumulation microbatches per step (NUM_MICROBATCHES)
   remat_policy: str = "none"  # GPTConfig.remat_policy
@@ -49,7 +52,12 @@ class Layout:
 
   @property
   def num_devices(self) -> int:
-    return self.pipeline * self.data * self.fsdp * self.tensor
+    return self.pipeline * self.data * self.fsdp * self.expert * self.tensor
+
+  @property
+  def batch_ways(self) -> int:
+    """How many ways the batch is split: data × fsdp × expert (the rules' `batch`)."""
+    return self.data * self.fsdp * self.expert
 
   @property
   def mesh_shape(self) -> dict:
@@ -60,7 +68,7 @@ class Layout:
     return (self.pipeline_microbatches or 2 * self.pipeline) if self.pipeline > 1 else 1
 
   def describe(self) -> str:
-    mesh = "×".join(f"{n[0]}{getattr(self, n)}" for n in mesh_lib.AXES)
+    mesh = "×".join(f"{n[0]}{getattr(self, n)}" for n in mesh_lib.AXES if n != "expert" or self.expert > 1)
     pipe = f" m{self.stage_microbatches}" if self.pipeline > 1 else ""
     return f"{mesh} k{self.num_microbatches}{pipe} {self.remat_policy}"
 
@@ -111,13 +119,16 @@ def _rules_dict(rules) -> dict:
   return {name: (target if isinstance(target, tuple) else (target,) if target else ()) for name, target in rules}
 
 
-def param_elements_per_device(cfg: model_lib.GPTConfig, layout: Layout,
-                              rules=partitioning.DEFAULT_RULES) -> int:
-  """Parameter elements one device holds under `rules` (uneven shards round up, as XLA pads them)."""
+def param_elements_per_device(cfg: model_lib.GPTConfig, layout: Layout, rules=partitioning.DEFAULT_RULES,
+                              experts: Optional[bool] = None) -> int:
+  """Parameter elements one device holds under `rules` (uneven shards round up, as XLA pads them); only the
+  experts' weights (`experts`=True) or only the others (False)."""
   mapping, sizes = _rules_dict(rules), layout.mesh_shape
   total = 0
   for leaf in jax.tree.leaves(_boxed_params(cfg), is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)):
     names = leaf.names if isinstance(leaf, nn.LogicallyPartitioned) else (None,) * len(leaf.value.shape)
+    if experts is not None and (ax.EXPERT in names) != experts:
+      continue
     value = leaf.value if isinstance(leaf, nn.LogicallyPartitioned) else leaf
     elems = 1
     for dim, name in zip(value.shape, names):
@@ -138,8 +149,8 @@ class ResidualProfile:
 
 
 def _trace_rows(cfg: model_lib.GPTConfig, seq_len: int) -> int:
-  taken = {cfg.num_layers, cfg.num_heads, cfg.kv_heads, cfg.d_model, cfg.d_ff, cfg.vocab_size, seq_len,
-           cfg.head_dim, 3, 2, 1}
+  taken = {cfg.num_layers, cfg.num_units, cfg.num_heads, cfg.kv_heads, cfg.d_model, cfg.d_ff, cfg.vocab_size, seq_len,
+           cfg.head_dim, cfg.num_experts, cfg.expert_d_ff, 3, 2, 1}
   return next(p for p in (7, 11, 13, 17, 19, 23, 29, 31) if p not in taken)
 
 
@@ -168,24 +179,31 @@ def _saved_residuals(f, *args) -> list:
 def residual_profile(cfg: model_lib.GPTConfig, seq_len: int) -> ResidualProfile:
   """Traces the loss's vjp abstractly (no FLOPs, no memory) and sorts its residuals.
 
-  A residual is per-layer when its leading axes are (LAYERS, rows), tensor-split when one of its
-  trailing axes is the head count, d_ff or the vocabulary, parameter-derived when it has no row axis.
+  A residual is per-layer when its leading axes are (LAYERS, rows), or (LAYERS, routing groups) or (LAYERS,
+  experts, routing groups) for tokens an MoE layer dispatches (those split over `expert` and the other batch
+  axes: per device, as many as rows/(data·fsdp·expert) sequences hold); tensor-split when one of its
+  trailing axes is the head count, d_ff (or an expert's) or the vocabulary; parameter-derived when it has no
+  row axis. "Per layer" is per stacked element of the layer scan (moe_every layers with MoE groups).
   """
   cfg = dataclasses.replace(cfg, num_stages=1)
   rows = _trace_rows(cfg, seq_len)
+  units = cfg.num_units
+  groups = rows * seq_len // moe.routing_group_size(cfg, seq_len) if cfg.num_experts else -1
   params = nn.meta.unbox(_boxed_params(cfg))
   batch = {k: jax.ShapeDtypeStruct((rows, seq_len), jnp.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
   batch["weights"] = jax.ShapeDtypeStruct((rows, seq_len), jnp.float32)
   gpt = model_lib.GPT(cfg)
   residuals = _saved_residuals(lambda p, b: language_model.LanguageModel(gpt.apply).loss(p, b)[0], params, batch)
-  split_dims = {cfg.num_heads, cfg.kv_heads, cfg.d_ff, cfg.vocab_size}
+  split_dims = {cfg.num_heads, cfg.kv_heads, cfg.d_ff, cfg.vocab_size, cfg.expert_d_ff}
   out = dict(layer=0.0, layer_tensor=0.0, head=0.0, head_tensor=0.0, weights=0.0)
   for aval in residuals:
     nbytes = aval.size * aval.dtype.itemsize
     shape = aval.shape
-    if len(shape) >= 2 and shape[0] == cfg.num_layers and shape[1] == rows:
+    per_row = len(shape) >= 2 and shape[0] == units and (
+        shape[1] in (rows, groups) or (len(shape) >= 3 and shape[1] == cfg.num_experts and shape[2] == groups))
+    if per_row:
       key = "layer_tensor" if split_dims & set(shape[2:]) else "layer"
-      out[key] += nbytes / rows / cfg.num_layers
+      out[key] += nbytes / rows / units
     elif rows in shape[:1]:
       key = "head_tensor" if cfg.vocab_size in shape[1:] else "head"
       out[key] += nbytes / rows
@@ -207,10 +225,10 @@ def estimate(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int, seq_le
   cfg = dataclasses.replace(cfg, remat_policy=layout.remat_policy)
   p_dev = param_elements_per_device(cfg, layout, rules)
   p_total = model_lib.count_params(cfg)
-  batch_ways = layout.data * layout.fsdp
+  batch_ways = layout.batch_ways
   rows = global_batch / (batch_ways * layout.num_microbatches)  # sequences per device per accumulation microbatch
   t = layout.tensor
-  layers = cfg.num_layers / layout.pipeline
+  layers = cfg.num_units / layout.pipeline  # stacked elements (layers, or moe_every-layer groups) per stage
   in_flight = 1.0
   if layout.pipeline > 1:  # GPipe keeps every microbatch's stage activations, plus the fill/drain ticks
     m = layout.stage_microbatches

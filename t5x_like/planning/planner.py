@@ -8,6 +8,10 @@ Step time = compute / (peak × efficiency) + pipeline bubble + communication, wi
   tensor    per layer and microbatch: 2 all-reduces of the (rows, T, d_model) bfloat16 activations
             forward, 2 backward, 2 more when the forward is recomputed; plus embedding and logits;
   pipeline  (m + p − 1) collective-permutes of one microbatch's activations, forward and backward;
+  expert    per MoE layer and microbatch: 2 all-to-alls of the dispatched bfloat16 tokens (top_k × capacity
+            factor slots per token, d_model wide) forward, 2 backward, 2 more when the forward is recomputed,
+            each moving (e−1)/e of a device's slots; plus the all-reduce of the non-expert gradients over
+            `expert` (a data-parallel axis outside MoE layers);
   data      one all-reduce of the float32 gradients per step (XLA hoists it out of the accumulation loop).
 Each mesh axis uses intra-host bandwidth when its devices share a host (tensor innermost, as
 mesh.create_mesh lays them out), inter-host bandwidth otherwise, scaled by --comm_efficiency.
@@ -23,6 +27,7 @@ from t5x_like.observe import hardware as hardware_lib
 from t5x_like.planning import memory_model
 from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.model import decoder as model_lib
+from t5x_like.model import moe
 from t5x_like.model import pipeline_parallel
 
 Layout = memory_model.Layout
@@ -38,10 +43,15 @@ class StepTime:
   tensor: float
   pipeline: float
   data: float
+  expert: float = 0.0
 
   @property
   def total(self) -> float:
-    return self.compute + self.bubble + self.fsdp + self.tensor + self.pipeline + self.data
+    return self.compute + self.bubble + self.fsdp + self.tensor + self.pipeline + self.data + self.expert
+
+  @property
+  def communication(self) -> float:
+    return self.fsdp + self.tensor + self.pipeline + self.data + self.expert
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +100,11 @@ def axis_bandwidth(layout: Layout, axis: str, target: Target) -> float:
 def step_time(cfg: model_lib.GPTConfig, layout: Layout, target: Target) -> StepTime:
   """Estimated seconds per step for `layout` (see the module docstring for the terms)."""
   p, d, f, t, k = layout.pipeline, layout.data, layout.fsdp, layout.tensor, layout.num_microbatches
+  e = layout.expert
   tokens = target.global_batch * target.seq_len
   head_flops = 6.0 * cfg.vocab_size * cfg.d_model  # tied logits, forward + backward, per token
   block_flops = flops.hardware_flops_per_token(cfg, target.seq_len, layout.remat_policy) - head_flops
-  per_device = block_flops * tokens / layout.num_devices + head_flops * tokens / (d * f * t)
+  per_device = block_flops * tokens / layout.num_devices + head_flops * tokens / (d * f * e * t)
   compute = per_device / (target.peak * target.efficiency)
   bubble = 0.0
   if p > 1:
@@ -109,8 +120,17 @@ def step_time(cfg: model_lib.GPTConfig, layout: Layout, target: Target) -> StepT
   data = 0.0
   if d > 1:
     data = 2 * 4.0 * (gathered / f) * ring(d) / axis_bandwidth(layout, "data", target)
-  rows = target.global_batch / (d * f * k)  # sequences per device per accumulation microbatch
+  rows = target.global_batch / (d * f * e * k)  # sequences per device per accumulation microbatch
   act_bytes = rows * target.seq_len * cfg.d_model * 2.0
+  expert = 0.0
+  if e > 1:
+    recompute = 2 if layout.remat_policy in ("full", "save_dots", "save_attention_out") else 0
+    group = moe.routing_group_size(cfg, target.seq_len)
+    slots = cfg.num_experts * moe.capacity(cfg, group) / group  # dispatched slots per token
+    per_layer = (4 + recompute) * act_bytes * slots * ring(e) / axis_bandwidth(layout, "expert", target)
+    dense_grads = memory_model.param_elements_per_device(cfg, dataclasses.replace(layout, fsdp=1), experts=False)
+    expert = (k * per_layer * cfg.num_moe_layers / p
+              + 2 * 4.0 * (dense_grads / f) * ring(e) / axis_bandwidth(layout, "expert", target))
   tensor = 0.0
   if t > 1:
     per_layer = 4 + (2 if layout.remat_policy in ("full", "save_attention_out") else 0)
@@ -120,18 +140,20 @@ def step_time(cfg: model_lib.GPTConfig, layout: Layout, target: Target) -> StepT
   if p > 1:
     m = layout.stage_microbatches
     pipe = k * 2 * (m + p - 1) * (act_bytes / m) / axis_bandwidth(layout, "pipeline", target)
-  return StepTime(compute=compute, bubble=bubble, fsdp=fsdp, tensor=tensor, pipeline=pipe, data=data)
+  return StepTime(compute=compute, bubble=bubble, fsdp=fsdp, tensor=tensor, pipeline=pipe, data=data, expert=expert)
 
 
 def divisors(n: int) -> list:
   return [i for i in range(1, n + 1) if n % i == 0]
 
 
-def _factorizations(n: int):
+def _factorizations(n: int, num_experts: int = 0):
+  """Every (pipeline, data, fsdp, expert, tensor) over n devices; `expert` > 1 only when it divides num_experts."""
   for p in divisors(n):
     for t in divisors(n // p):
-      for f in divisors(n // (p * t)):
-        yield Layout(pipeline=p, data=n // (p * t * f), fsdp=f, tensor=t)
+      for e in [x for x in divisors(n // (p * t)) if num_experts and num_experts % x == 0] or [1]:
+        for f in divisors(n // (p * t * e)):
+          yield Layout(pipeline=p, data=n // (p * t * e * f), fsdp=f, expert=e, tensor=t)
 
 
 def structural_reason(cfg: model_lib.GPTConfig, layout: Layout, target: Target) -> Optional[str]:
@@ -168,12 +190,12 @@ def search(cfg: model_lib.GPTConfig, target: Target, remat_policies=REMAT_SEARCH
   Returns (feasible candidates fastest first, dropped candidates with reasons).
   """
   feasible, dropped = [], []
-  for mesh in _factorizations(target.num_devices):
+  for mesh in _factorizations(target.num_devices, cfg.num_experts):
     why = structural_reason(cfg, mesh, target)
     if why:
       dropped.append(Candidate(mesh, reason=why))
       continue
-    rows = target.global_batch // (mesh.data * mesh.fsdp)
+    rows = target.global_batch // mesh.batch_ways
     stage_options = [2 * mesh.pipeline, 4 * mesh.pipeline, mesh.pipeline] if mesh.pipeline > 1 else [0]
     for policy in remat_policies:
       last = None
@@ -200,7 +222,7 @@ def format_table(candidates, top: int) -> str:
   lines = [f"{'#':>3} {'layout (pipeline×data×fsdp×tensor, k accum, m pipe, remat)':<44} {'GiB/dev':>8} "
            f"{'step s':>8} {'comm s':>8} {'bubble s':>8} {'MFU':>6} {'time':>9}"]
   for i, c in enumerate(candidates[:top], 1):
-    comm = c.time.fsdp + c.time.tensor + c.time.pipeline + c.time.data
+    comm = c.time.communication
     lines.append(f"{i:>3} {c.layout.describe():<44} {memory_model.gib(c.memory.total):>8} {c.time.total:>8.3f} "
                  f"{comm:>8.3f} {c.time.bubble:>8.3f} {c.mfu:>6.1%} {_fmt_days(c.days):>9}")
   return "\n".join(lines)
@@ -215,6 +237,7 @@ def format_memory(m: memory_model.MemoryEstimate) -> str:
 def report(cfg: model_lib.GPTConfig, target: Target, top: int = 10, remat_policies=REMAT_SEARCH) -> tuple:
   """The plan as text, and the candidates (feasible fastest first, dropped)."""
   n_params = model_lib.count_params(cfg)
+  n_active = flops.active_params(cfg)
   per_token = flops.train_flops_per_token(cfg, target.seq_len, target.causal_halved)
   tokens_per_step = target.global_batch * target.seq_len
   hw = target.hardware
@@ -223,7 +246,15 @@ def report(cfg: model_lib.GPTConfig, target: Target, top: int = 10, remat_polici
       f"L={cfg.num_layers} H={cfg.num_heads}" + (f" KV={cfg.kv_heads}" if not cfg.fused_qkv else "")
       + f" d_model={cfg.d_model} d_ff={cfg.d_ff} vocab={cfg.vocab_size}"
       + f" ({cfg.norm}, {cfg.mlp_activation}, {cfg.position_embedding} positions)",
-      f"6·N·D (N = all parameters, D = tokens): {6 * n_params * target.tokens:.4g}",
+  ]
+  if cfg.num_experts:
+    out.append(f"experts: {cfg.num_experts} per MoE layer (every {cfg.moe_every}), top-{cfg.moe_top_k}, d_ff "
+               f"{cfg.expert_d_ff}, capacity factor {'dropless' if cfg.moe_dropless else cfg.moe_capacity_factor}; "
+               f"{n_active:,} parameters active per token ({n_active / 1e9:.3f} B active); routing adds "
+               f"{3 * flops.moe_dispatch_flops_per_token(cfg, target.seq_len):.4g} hardware FLOPs/token")
+  out += [
+      f"6·N·D (N = {'active' if cfg.num_experts else 'all'} parameters, D = tokens): "
+      f"{6 * n_active * target.tokens:.4g}",
       f"FLOPs/token: {per_token:.4g} (6N + 12·L·T·d, attention {'halved' if target.causal_halved else 'not halved'}"
       f"); per step ({target.global_batch} × {target.seq_len} = {tokens_per_step:,} tokens): "
       f"{per_token * tokens_per_step:.4g}; total for {target.tokens:.4g} tokens: {per_token * target.tokens:.4g}",
@@ -241,7 +272,8 @@ def report(cfg: model_lib.GPTConfig, target: Target, top: int = 10, remat_polici
     out.append(f"\nbest: {best.layout.describe()}: {format_memory(best.memory)}")
     t = best.time
     out.append(f"      step {t.total:.3f} s = compute {t.compute:.3f} + bubble {t.bubble:.3f} + fsdp {t.fsdp:.3f} "
-               f"+ tensor {t.tensor:.3f} + pipeline {t.pipeline:.3f} + data {t.data:.3f}")
+               f"+ tensor {t.tensor:.3f} + pipeline {t.pipeline:.3f} + data {t.data:.3f}"
+               + (f" + expert all-to-all {t.expert:.3f}" if cfg.num_experts else ""))
   out.append(f"\n{len(dropped)} dropped:")
   counts = {}
   for c in dropped:

@@ -1,10 +1,14 @@
-"""Language modelling: token-weighted next-token cross-entropy (pre-training, and SFT through `weights`)."""
+"""Language modelling: token-weighted next-token cross-entropy (pre-training, and SFT through `weights`), plus the
+auxiliary losses of a mixture-of-experts model (model/moe.py) with their metrics."""
 
 import dataclasses
 from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+
+from t5x_like.model import decoder as model_lib
+from t5x_like.model import moe
 
 FEATURES = ("inputs", "targets", "segment_ids", "positions", "weights")
 
@@ -60,11 +64,34 @@ class LanguageModel:
   def loss(self, params, batch, frozen=None):
     del frozen  # language modelling uses no frozen model
     args = (batch["inputs"], batch["positions"], batch["segment_ids"])
+    # "intermediates" mutable: an MoE model sows its routing statistics there (a dense model sows nothing)
     if self.loss_chunk and self.logits_fn is not None and batch["inputs"].shape[1] > self.loss_chunk:
-      hidden = self.apply_fn({"params": params}, *args, return_hidden=True)
+      hidden, state = self.apply_fn({"params": params}, *args, return_hidden=True, mutable=["intermediates"])
       loss_sum, weight_sum = chunked_cross_entropy_sums(lambda h: self.logits_fn(params, h), hidden,
                                                         batch["targets"], batch["weights"], self.loss_chunk)
     else:
-      loss_sum, weight_sum = cross_entropy_sums(self.apply_fn({"params": params}, *args), batch["targets"],
-                                                batch["weights"])
-    return loss_sum, weight_sum, {}
+      logits, state = self.apply_fn({"params": params}, *args, mutable=["intermediates"])
+      loss_sum, weight_sum = cross_entropy_sums(logits, batch["targets"], batch["weights"])
+    stats = model_lib.moe_stats(state)
+    if stats is None:
+      return loss_sum, weight_sum, {}
+    aux_sum, metrics = moe_sums(stats, batch["weights"], weight_sum)
+    return loss_sum + aux_sum, weight_sum, {"cross_entropy": loss_sum, **metrics}
+
+
+def moe_sums(stats: moe.MoeStats, weights: jax.Array, weight_sum: jax.Array):
+  """(Σ weight·aux loss, {metric: sum}) of an MoE forward pass, as sums the step divides by Σ weight.
+
+  Per-token terms (the weighted auxiliary loss, load-balancing loss, router z-loss, dropped fraction) are the
+  mean over MoE layers, weighted per token like the cross-entropy, so they add up exactly over microbatches.
+  moe/expert_load_min and _max: the least and most loaded expert of any MoE layer, as its share of the
+  layer's assignments × num_experts (1 = balanced), scaled by Σ weight (a token-weighted mean over microbatches).
+  """
+  num_layers, num_experts = stats.load.shape
+  per_token = jnp.einsum("btc,bt->c", stats.token, weights.astype(jnp.float32)) / num_layers
+  named = dict(zip(moe.TOKEN_STATS, per_token))
+  load = stats.load / jnp.maximum(jnp.sum(stats.load, axis=-1, keepdims=True), 1.0) * num_experts
+  metrics = {f"moe/{name}": value for name, value in named.items() if name != "aux_loss"}
+  metrics["moe/expert_load_min"] = jnp.min(load) * weight_sum
+  metrics["moe/expert_load_max"] = jnp.max(load) * weight_sum
+  return named["aux_loss"], metrics
