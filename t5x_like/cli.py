@@ -11,6 +11,7 @@ from absl import app, flags, logging
 import gin
 
 from t5x_like import errors
+from t5x_like.data import chat
 from t5x_like.model import decoder
 from t5x_like.training import optimizer
 from t5x_like.training import precision
@@ -26,6 +27,7 @@ NESTED_CONFIGS = {
     "fault_tolerance": (train_config_lib.FaultToleranceConfig, "fault_tolerance"),
     "observe": (train_config_lib.ObserveConfig, "observe"),
     "lora": (train_config_lib.LoraConfig, "lora"),
+    "curriculum": (train_config_lib.CurriculumConfig, "curriculum"),
 }
 
 
@@ -52,6 +54,7 @@ def register_all() -> None:
   register(train_config_lib.TrainConfig, "trainer")
   for cls, module in NESTED_CONFIGS.values():
     register(cls, module)
+  register(chat.ChatTemplate, "data")  # the chat template a chat DATA_DIR, `infer --chat` and evaluation render with
 
 
 def configured(cls: Callable[..., T], module: str) -> T:

@@ -1,9 +1,15 @@
 """Sequence-length warmup: the schedule, and cutting packed rows into shorter ones without losing a token."""
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
+from t5x_like.training import checkpointing
 from t5x_like.training import curriculum
+from t5x_like.training import trainer
+from tests import test_train_e2e
 
 CFG = curriculum.CurriculumConfig(seq_len_warmup_steps=100, seq_len_start=16, seq_len_multiple=8)
 
@@ -54,3 +60,32 @@ def test_cut_rows_keeps_every_token_in_order_and_restarts_cut_documents():
   assert curriculum.cut_rows(batch, 16) is batch
   with pytest.raises(ValueError, match="length 6 does not divide"):
     curriculum.cut_rows(batch, 6)
+
+
+@pytest.mark.slow  # three short training launches
+def test_warmup_runs_short_rows_first_and_a_resumed_run_is_bit_identical(corpus, tmp_path, monkeypatch):
+  """6 steps straight vs 3 steps, stop, resume to 6: the same lengths per step, losses and parameters.
+  (A constant learning rate after warmup, so the 3-step launch's schedule is the 6-step one's.)"""
+  seen = []
+  cut = curriculum.cut_rows
+  monkeypatch.setattr(curriculum, "cut_rows", lambda batch, length: (seen.append(length), cut(batch, length))[1])
+  warmup = curriculum.CurriculumConfig(seq_len_warmup_steps=4, seq_len_start=8, seq_len_multiple=8)
+
+  def run(model_dir, steps):
+    config = test_train_e2e.run_config(str(model_dir), corpus, train_steps=steps, log_every=1, checkpoint_every=3,
+                                       eval_every=0, curriculum=warmup)
+    trainer.train(config, test_train_e2e.TINY, dataclasses.replace(test_train_e2e.OPT, decay="constant", warmup_steps=2))
+
+  def losses(model_dir):
+    return {r["step"]: r["loss"] for r in map(json.loads, open(model_dir / "metrics.jsonl")) if "loss" in r}
+
+  run(tmp_path / "straight", 6)
+  assert seen == [8, 8, 16, 16, 32, 32]  # SEQ_LEN 32: the ramp 8 → 32 over 4 steps, then 32
+  seen.clear()
+  run(tmp_path / "resumed", 3)
+  run(tmp_path / "resumed", 6)
+  assert seen == [8, 8, 16, 16, 32, 32]
+  assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+  digests = [checkpointing.params_digest(checkpointing.restore_params(str(tmp_path / name))[1])
+             for name in ("straight", "resumed")]
+  assert digests[0] == digests[1]

@@ -9,6 +9,7 @@ LOG_EVERY, EVAL_EVERY, CHECKPOINT_EVERY) stay on TrainConfig, where configs/runs
 
 import dataclasses
 from typing import Mapping, Optional
+from t5x_like.training.curriculum import CurriculumConfig  # re-exported: nested in TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +118,7 @@ class TrainConfig:
   fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()  # fault_tolerance.FaultToleranceConfig
   observe: ObserveConfig = ObserveConfig()  # observe.ObserveConfig
   lora: LoraConfig = LoraConfig()  # lora.LoraConfig; rank 0 = off
+  curriculum: CurriculumConfig = CurriculumConfig()  # curriculum.CurriculumConfig; sequence-length warmup
 
   def __post_init__(self):
     if self.fault_tolerance.nonfinite_action not in ("stop", "rollback"):

@@ -22,6 +22,7 @@ from t5x_like.observe import profiling
 from t5x_like.observe import prometheus
 from t5x_like.parallel import global_batch
 from t5x_like.training import checkpointing as checkpoints
+from t5x_like.training import curriculum
 from t5x_like.training import fault_tolerance
 from t5x_like.training import hooks as hooks_lib
 from t5x_like.training import optimizer as optimizer_lib
@@ -120,14 +121,15 @@ def initial_state(exp: Experiment, manager, train_iter) -> tuple:
   if resumed:
     logging.info("resumed from %s at step %d", checkpoints.checkpoint_dir(config.model_dir), int(restored_step))
     return int(restored_step), state, saved_metadata, origin
-  state = exp.init_state()
-  if ckpt.warm_start_from and not exp.lora:
-    pinned = exp.check_checkpoint_shapes(ckpt.warm_start_from)
-    state = fault_tolerance.warm_start(state, pinned, abstract, ckpt.warm_start_optimizer)
-    origin["initial_checkpoint"] = pinned
-  elif ckpt.warm_start_required and not ckpt.warm_start_from:
+  if ckpt.warm_start_required and not ckpt.warm_start_from:
     raise ValueError("INITIAL_CHECKPOINT_PATH is empty: a fine-tuning run (configs/runs/finetune.gin) starts from a "
                      "base model's MODEL_DIR or checkpoints/<step>")
+  if ckpt.warm_start_from and not exp.lora:
+    pinned = exp.check_checkpoint_shapes(ckpt.warm_start_from)  # before anything compiles
+    state = fault_tolerance.warm_start(exp.init_state(), pinned, abstract, ckpt.warm_start_optimizer)
+    origin["initial_checkpoint"] = pinned
+  else:
+    state = exp.init_state()
   return 0, state, None, origin
 
 
@@ -153,6 +155,10 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
   """
   if not config.model_dir:
     raise ValueError("MODEL_DIR is not set: pass --gin.MODEL_DIR=\"'/path/to/run'\"")
+  if config.curriculum.enabled():  # validates the settings before anything is built
+    logging.info("sequence-length warmup over %d steps through lengths %s",
+                 config.curriculum.seq_len_warmup_steps,
+                 curriculum.lengths(config.curriculum, config.seq_len, config.loss_chunk))
   exp = Experiment(config, model_config, optimizer_config, precision_config)
   is_primary = jax.process_index() == 0
   fault_tolerance.check_writable(config.model_dir)
@@ -188,7 +194,8 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
 
   def next_batch(step: int) -> dict:
     local = guard.poison(global_batch.tf_to_numpy(next(train_iter)), step)  # debug_nan_steps only
-    return exp.global_batch(local)
+    length = curriculum.length_at(config.curriculum, step - 1, config.seq_len, config.loss_chunk)
+    return exp.global_batch(curriculum.cut_rows(local, length))
 
   def save(step: int, state) -> None:
     guard.save(step, state, train_iter, {**metadata, "step": step})
