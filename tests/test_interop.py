@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 
+import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,8 @@ from t5x_like.model import decoding  # pylint: disable=g-import-not-at-top
 from t5x_like.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
 from t5x_like.parallel import partitioning  # pylint: disable=g-import-not-at-top
 from t5x_like.training import checkpointing  # pylint: disable=g-import-not-at-top
+from t5x_like.training import lora  # pylint: disable=g-import-not-at-top
+from t5x_like.training.config import LoraConfig  # pylint: disable=g-import-not-at-top
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 300  # not a multiple of 128: the import pads to 384
@@ -256,6 +259,39 @@ def test_export_refuses_a_nonzero_output_bias(imported, tmp_path):
   with pytest.raises(ValueError, match="lm_head/bias is nonzero"):
     hf.export_hf(run_dir, str(tmp_path / "out"), config)
   assert not os.path.exists(tmp_path / "out")
+
+
+def test_export_merges_a_lora_run_into_its_base(imported, tokenizer, tmp_path):
+  """A LoRA run's checkpoint holds adapters and its base's path: the export is W + alpha/rank · A·B, and
+  the tokenizer comes from the base (the converted model), which the run folder lacks."""
+  model_dir, config, params = imported["llama_gqa"]
+  boxed = jax.eval_shape(lambda: decoder.GPT(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+  lora_config = LoraConfig(rank=2, alpha=4.0, targets="blocks/attn/(query|out)/kernel")
+  kernels = lora.target_kernels(boxed["params"], lora_config.targets)
+  adapters = nn.meta.unbox(lora.init_adapters(jax.random.key(1), kernels, lora_config))
+  rng = np.random.default_rng(0)
+  adapters = jax.tree.map(lambda a: np.asarray(a) + 0.2 * rng.standard_normal(a.shape).astype(np.float32), adapters)
+  run = str(tmp_path / "lora_run")
+  checkpointing.save_params(run, adapters, 5, {"lora": {"base": os.path.join(model_dir, "checkpoints", "0"),
+                                                        "rank": 2, "alpha": 4.0, "targets": lora_config.targets}})
+  out = str(tmp_path / "merged")
+  assert hf.export_hf(run, out, config) == 5
+  merged = lora.merge(params, adapters, 2.0)
+  tokens, segment_ids = _padded_batch()
+  valid = segment_ids.astype(bool)
+  ours = _our_logits(config, merged, tokens, segment_ids)[..., :VOCAB][valid]
+  assert np.abs(ours - _our_logits(config, params, tokens, segment_ids)[..., :VOCAB][valid]).max() > 0.1
+  loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  np.testing.assert_allclose(_hf_logits(loaded, tokens, segment_ids)[valid], ours, atol=1e-4, rtol=0)
+  assert transformers.AutoTokenizer.from_pretrained(out)(TEXT).input_ids == tokenizer(TEXT).input_ids
+
+
+def test_export_refuses_models_no_hf_class_computes(imported):
+  _, config, _ = imported["llama_gqa"]
+  with pytest.raises(ValueError, match="mixture-of-experts models do not export"):
+    hf_config.export_architecture(dataclasses.replace(config, num_experts=4))
+  with pytest.raises(ValueError, match="no Hugging Face architecture computes this model"):
+    hf_config.export_architecture(dataclasses.replace(config, position_embedding="learned"))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from t5x_like.interop import hf_weights
 from t5x_like.interop import safetensors_io
 from t5x_like.model import decoder
 from t5x_like.training import checkpointing
+from t5x_like.training import lora
 
 CONFIG_FILE = "config.json"
 HF_CONFIG_COPY = "hf_config.json"  # the imported config.json, kept in MODEL_DIR for its token ids
@@ -66,8 +67,8 @@ def import_hf(hf_dir: str, output_dir: str) -> decoder.GPTConfig:
         slot[...] = tensor.to_ours(reader.read(key), slot.shape)
       gin_text = hf_config.model_gin(config, f"Converted from {os.path.abspath(hf_dir)} ({arch}) by "
                                              f"python -m t5x_like.convert from_hf.")
-      _save_checkpoint(tmp, params, {"converted_from": os.path.abspath(hf_dir), "hf_architecture": arch,
-                                     "gin_config": gin_text, "code_version": checkpointing.code_version()})
+      checkpointing.save_params(tmp, params, 0, {"converted_from": os.path.abspath(hf_dir), "hf_architecture": arch,
+                                                 "gin_config": gin_text, "code_version": checkpointing.code_version()})
       del params
       _write_text(os.path.join(tmp, MODEL_GIN), gin_text)
       _write_text(os.path.join(tmp, HF_CONFIG_COPY), json.dumps(hf, indent=2) + "\n")
@@ -80,13 +81,16 @@ def export_hf(model_dir: str, output_dir: str, config: decoder.GPTConfig, *, ste
               max_shard_bytes: int = 4 << 30) -> int:
   """Writes MODEL_DIR's checkpoint as a Hugging Face folder `AutoModelForCausalLM.from_pretrained` loads.
 
+  A LoRA run's checkpoint is merged with the base its metadata names (W + alpha/rank · A·B).
+
   Args:
     model_dir: a run or converted MODEL_DIR (or one of its checkpoints/<step> directories).
     output_dir: the folder to create; it must not exist or be empty.
     config: the model's GPTConfig (MODEL_DIR/model.gin, or the gin files it trained with); a
       vocab_size of 0 is read off the checkpoint.
     step: the checkpoint step; default the newest.
-    tokenizer: the tokenizer to ship, default model_dir: a folder with Hugging Face tokenizer files
+    tokenizer: the tokenizer to ship, default model_dir's or else that of the model the run started from
+      (its metadata's INITIAL_CHECKPOINT_PATH or LoRA base): a folder with Hugging Face tokenizer files
       (tokenizer.json or tokenizer_config.json; they are copied as they are, with generation_config.json
       and hf_config.json's token ids), e.g. the converted MODEL_DIR a fine-tuning run started from; or a
       SentencePiece .model / tokenizer.json / DATA_DIR, written with `save_hf`.
@@ -99,12 +103,16 @@ def export_hf(model_dir: str, output_dir: str, config: decoder.GPTConfig, *, ste
   if dtype not in EXPORT_DTYPES:
     raise ValueError(f"export dtype {dtype!r}: expected one of {list(EXPORT_DTYPES)}")
   hf_config.export_architecture(config)  # fail before reading anything
-  step, params = checkpointing.restore_params(model_dir, step)
+  step, path = checkpointing.resolve_checkpoint(model_dir, step)
+  metadata = checkpointing.read_metadata(path)
+  params = merged_params(path, metadata)
   if not config.vocab_size:
     config = dataclasses.replace(config, vocab_size=int(params["token_embedding"].shape[0]))
   arch = hf_config.export_architecture(config)
   _check_params(params, config, model_dir)
-  source = tokenizer or run_dir(model_dir)
+  origins = [run_dir(model_dir)] + [run_dir(p) for p in (metadata.get("lora", {}).get("base"),
+                                                           metadata.get("initial_checkpoint")) if p]
+  source = tokenizer or next((d for d in origins if find_tokenizer(d) is not None), origins[0])
   tok = find_tokenizer(source)
   _check_tokenizer(tok, config)
   token_ids = _token_ids(source, tok, config)
@@ -135,6 +143,17 @@ def export_hf(model_dir: str, output_dir: str, config: decoder.GPTConfig, *, ste
 
 # ------------------------------------------------------------------------------------------------------
 # Checks, all made before anything is written.
+
+
+def merged_params(path: str, metadata: dict) -> dict:
+  """The parameters of one checkpoints/<step> directory as numpy arrays; a LoRA run's adapters merged into
+  the base named by its metadata (as `lora.merge_checkpoint` writes them)."""
+  _, params = checkpointing.restore_params(path)
+  info = metadata.get("lora") or {}
+  if not info.get("base"):
+    return params
+  _, base = checkpointing.restore_params(info["base"])
+  return jax.tree.map(np.asarray, lora.merge(base, params, info["alpha"] / info["rank"]))
 
 
 def param_shapes(config: decoder.GPTConfig) -> dict:
@@ -174,8 +193,10 @@ def _check_params(params: dict, config: decoder.GPTConfig, model_dir: str) -> No
   have = {checkpointing.path_name(p): tuple(np.shape(a)) for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
   for name in sorted(set(want) | set(have)):
     if want.get(name) != have.get(name):
-      raise ValueError(f"{model_dir}: checkpoint parameter {name!r} has shape {have.get(name)} but the model "
-                       f"config gives {want.get(name)}: pass the gin files the run trained with")
+      found = f"has shape {have[name]}" if name in have else "is missing"
+      wanted = f"gives {want[name]}" if name in want else "has no such parameter"
+      raise ValueError(f"{model_dir}: checkpoint parameter {name!r} {found} but the model config {wanted}: "
+                       f"pass the gin files the run trained with")
   for name in hf_weights.zero_leaves(config):
     node = params
     for part in name.split("/"):
@@ -244,17 +265,6 @@ def staged_dir(output_dir: str) -> Iterator[str]:
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
-
-
-def _save_checkpoint(model_dir: str, params: dict, metadata: dict) -> None:
-  """checkpoints/0 holding {"params": params}, as `checkpointing.restore_params` and warm starts read it."""
-  manager = checkpointing.make_manager(model_dir, max_to_keep=None, async_save=False)
-  try:
-    if not checkpointing.save(manager, 0, {"params": params}, metadata=metadata):
-      raise OSError(f"orbax did not save step 0 in {checkpointing.checkpoint_dir(model_dir)}")
-    manager.wait_until_finished()
-  finally:
-    manager.close()
 
 
 def _read_hf_config(hf_dir: str) -> dict:

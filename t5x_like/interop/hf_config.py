@@ -113,6 +113,9 @@ def _from_llama(hf: dict, where: str) -> GPTConfig:
 
 def export_architecture(config: GPTConfig) -> str:
   """The Hugging Face architecture that computes what `config` does, or a ValueError saying why none does."""
+  if config.num_experts:
+    raise ValueError(f"GPTConfig.num_experts={config.num_experts}: mixture-of-experts models do not export "
+                     f"(supported: {GPT2}, {LLAMA})")
   gpt2 = (config.norm == "layernorm" and config.mlp_activation == "gelu" and config.position_embedding == "learned"
           and config.use_bias and config.kv_heads == config.num_heads)
   if gpt2:
