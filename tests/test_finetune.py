@@ -100,6 +100,8 @@ def test_warm_start_gives_the_base_then_a_resumed_run_continues_from_its_own_che
   start, state, _, _ = trainer.initial_state(exp, manager, None)
   assert start == 3 and digest(state.params) == digest(moved.params) != digest(base_params)
   manager.close()
+  # a frozen model (reference, teacher) from a checkpoints/<step> path, shape-checked the same way
+  assert digest(exp.add_frozen("reference", os.path.join(base_dir, "checkpoints", "0"))) == digest(base_params)
 
 
 def test_empty_initial_checkpoint_path_is_refused(corpus, tmp_path):
@@ -206,15 +208,10 @@ def test_lora_first_step_is_the_base_model_exactly(lora_run, base):
   assert lora_run["start"] == 0
   assert lora_run["origin"]["lora"] == {"base": os.path.join(base[0], "checkpoints", "0"), "rank": 4, "alpha": 8.0,
                                         "targets": config_lib.LORA_TARGETS}
-  merged = lora.merge(base_params, initial.params, LORA.scale)
-  assert digest(merged) == digest(base_params)  # B = 0: W + (α/r)·A·0 is W, bit for bit
-  batch = batch_of(exp, 0)
+  # B = 0: W + (α/r)·A·0 is W bit for bit, so the merged model's logits are the base's, exactly
+  assert digest(lora.merge(base_params, initial.params, LORA.scale)) == digest(base_params)
   with exp.context():
-    tokens = (batch["inputs"], batch["positions"], batch["segment_ids"])
-    apply = jax.jit(exp.model.apply)
-    np.testing.assert_array_equal(np.asarray(apply({"params": merged}, *tokens)),
-                                  np.asarray(apply({"params": base_params}, *tokens)))
-    base_loss, base_weight, _ = jax.jit(exp.model_objective.loss)(base_params, exp.global_batch(batch), {})
+    base_loss, base_weight, _ = jax.jit(exp.model_objective.loss)(base_params, exp.global_batch(batch_of(exp, 0)), {})
   # the LoRA train step's loss (the merge inside the wrapped objective) is the base model's, bit for bit
   assert float(lora_run["history"][0]["loss"]) == float(base_loss / base_weight)
   assert float(lora_run["history"][1]["loss"]) != float(lora_run["history"][0]["loss"])
@@ -264,7 +261,9 @@ def test_lora_checkpoint_restores_base_plus_adapters_and_merges_to_a_plain_check
   _, plain_params = plain.restore_params()
   for got, want in zip(jax.tree.leaves(plain_params), jax.tree.leaves(expected)):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-7)
-  assert plain.evaluate_checkpoint()["eval/loss"] == pytest.approx(lora_eval["eval/loss"], rel=1e-6)
+  with exp.context():  # the merged model's loss on the evaluation batch is the LoRA evaluation's
+    loss, weight, _ = jax.jit(exp.model_objective.loss)(plain_params, exp.global_batch(batch_of(exp, 0)), {})
+  assert float(loss / weight) == pytest.approx(lora_eval["eval/loss"], rel=1e-6)
   # a plain config pointed at the LoRA run says what to do instead of failing inside orbax
   with pytest.raises(ValueError, match="holds LoRA adapters.*LoraConfig.rank=4.*merge_lora"):
     experiment_lib.Experiment(run_config(exp.config.model_dir, corpus), TINY, OPT).restore_params()
@@ -401,7 +400,8 @@ def test_lora_kill_9_then_resume_is_bit_identical_and_merges_through_the_cli(cor
   assert _launch(reference, corpus, base_dir).wait(timeout=300) == 0, open(reference + ".log").read()[-3000:]
   proc = _launch(killed, corpus, base_dir)
   deadline = time.time() + 240
-  while max(_losses(killed), default=0) < 6 and proc.poll() is None:
+  committed = lambda: os.path.isdir(checkpointing.checkpoint_dir(killed)) and checkpointing.committed_steps(killed)
+  while (max(_losses(killed), default=0) < 6 or not committed()) and proc.poll() is None:  # killed after a save
     assert time.time() < deadline, "the run made no progress"
     time.sleep(0.02)
   proc.send_signal(signal.SIGKILL)
@@ -432,3 +432,9 @@ def test_lora_kill_9_then_resume_is_bit_identical_and_merges_through_the_cli(cor
   expected = lora.merge(checkpointing.restore_params(base_dir)[1], saved, 4.0)  # finetune.gin's alpha 16 / rank 4
   for got, want in zip(jax.tree.leaves(merged_params), jax.tree.leaves(expected)):
     np.testing.assert_allclose(got, np.asarray(want), rtol=1e-6, atol=1e-7)
+  # infer: the LoRA run (base + adapters) and its merged checkpoint continue a prompt with the same tokens
+  cfg = dataclasses.replace(TINY, **{k.split(".")[-1]: v for k, v in CLI_TINY.items()}, dtype="bfloat16")
+  samples = [experiment_lib.Experiment(run_config(d, corpus, lora_config=c), cfg, OPT).sample(
+      ["the trainer reads", "a shard"], max_new_tokens=6) for d, c in ((killed, config_lib.LoraConfig(rank=4)),
+                                                                       (str(tmp_path / "merged"), config_lib.LoraConfig()))]
+  assert samples[0] == (CLI_STEPS, samples[1][1]) and samples[1][0] == 0 and all(samples[0][1])

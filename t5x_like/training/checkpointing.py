@@ -376,6 +376,8 @@ def restore_newest_params(model_dir: str, abstract_params, step: Optional[int] =
   Reads the parameters only (not the optimizer state, twice their size); an unreadable newest step
   falls back to the one before it, as `restore_latest` does for training.
   """
+  if epath.Path(model_dir).parent.name == "checkpoints":  # names one step: no older one to fall back to
+    return restore_params(model_dir, step, abstract_params=abstract_params)
   steps = [step] if step is not None else sorted(committed_steps(model_dir), reverse=True)
   for candidate in steps:
     try:

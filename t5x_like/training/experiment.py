@@ -207,7 +207,7 @@ class Experiment:
                        f"run's {self.model_config.vocab_size} (the same tokenizer is required)")
     cfg = dataclasses.replace(cfg, vocab_size=self.model_config.vocab_size, num_stages=self.model_config.num_stages)
     if model_config is None:
-      path = self.check_checkpoint_shapes(path, f"frozen model {name!r}")
+      self.check_checkpoint_shapes(path, f"frozen model {name!r}")
     with self.context():
       boxed = jax.eval_shape(lambda: model_lib.GPT(cfg).init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))
       shardings = partitioning.shardings_from_boxed(boxed["params"], self.mesh, self.rules)
@@ -337,6 +337,18 @@ class Experiment:
                        f"run's LoRA settings (--gin.lora.LoraConfig.rank={meta.get('rank')}) or merge them into a "
                        "plain checkpoint first (python -m t5x_like.checkpoints merge_lora MODEL_DIR --output_dir=DIR)")
 
+  def load_tokenizer(self, tokenizer: Optional[str] = None):
+    """The tokenizer prompts are encoded with: `tokenizer` (a .model, tokenizer.json or HF folder) if given,
+    else DATA_DIR's; refused when it has more ids than the model's vocabulary has rows."""
+    if tokenizer is None and self.manifest is None:
+      raise ValueError("no tokenizer to encode the prompts: set DATA_DIR or pass --tokenizer=PATH "
+                       "(a .model, tokenizer.json or an HF folder)")
+    tok = tokenizer_lib.load(tokenizer or input_pipeline.resolve_path(self.config.data_dir, self.manifest["tokenizer"]))
+    if max(tok.vocab_size, tok.pad_id + 1) > self.model_config.vocab_size:
+      raise ValueError(f"Tokenizer '{tok.path}' has {tok.vocab_size} ids (pad id {tok.pad_id}) but the model's "
+                       f"vocabulary has {self.model_config.vocab_size} rows: not this model's tokenizer")
+    return tok
+
   def sample(self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              seed: int = 0, step: Optional[int] = None, tokenizer: Optional[str] = None):
     """Continues each prompt with the KV-cache sampler from MODEL_DIR's newest readable checkpoint (or `step`).
@@ -346,13 +358,7 @@ class Experiment:
     Returns:
       (checkpoint step, [continuation text per prompt]).
     """
-    if tokenizer is None and self.manifest is None:
-      raise ValueError("no tokenizer to encode the prompts: set DATA_DIR or pass --tokenizer=PATH "
-                       "(a .model, tokenizer.json or an HF folder)")
-    tok = tokenizer_lib.load(tokenizer or input_pipeline.resolve_path(self.config.data_dir, self.manifest["tokenizer"]))
-    if max(tok.vocab_size, tok.pad_id + 1) > self.model_config.vocab_size:
-      raise ValueError(f"Tokenizer '{tok.path}' has {tok.vocab_size} ids (pad id {tok.pad_id}) but the model's "
-                       f"vocabulary has {self.model_config.vocab_size} rows: not this model's tokenizer")
+    tok = self.load_tokenizer(tokenizer)
     encoded = [tok.encode(p) for p in prompts]
     longest = max(len(e) for e in encoded) + max_new_tokens
     if longest > self.model_config.max_len:
