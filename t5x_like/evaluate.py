@@ -1,4 +1,9 @@
-"""`python -m t5x_like.evaluate --gin_file=... --gin.MODEL_DIR=... [--gin.DATA_DIR=...]`: loss/perplexity of a checkpoint."""
+"""`python -m t5x_like.evaluate --gin_file=... --gin.MODEL_DIR=... [--gin.DATA_DIR=...]`: loss/perplexity of a checkpoint.
+
+`--generate --prompt_file=IN.jsonl`: answer each conversation greedily and score it against its reference (the
+final assistant turn, or `completion`): exact match, and the teacher-forced loss on the references
+(training/chat_eval.py). The report is one JSON object (stdout, and --output_file).
+"""
 
 import dataclasses
 import json
@@ -9,8 +14,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 from absl import flags  # pylint: disable=g-import-not-at-top
 
 from t5x_like import cli as gin_utils
+from t5x_like import files
+from t5x_like.data import chat
 from t5x_like.data import tokenizer
 from t5x_like.model import decoder as model
+from t5x_like.training import chat_eval
 from t5x_like.training import optimizer
 from t5x_like.training import experiment
 
@@ -21,7 +29,37 @@ flags.DEFINE_integer("eval_batches", None, "Batches to evaluate (default: DataCo
                      "0 = the whole split).")
 flags.DEFINE_string("tokenizer", None, "The model's tokenizer (.model, tokenizer.json or HF folder): refuse a "
                     "DATA_DIR whose records another tokenizer wrote.")
+flags.DEFINE_bool("generate", False, "Evaluate by generation on --prompt_file instead of the loss on a split.")
+flags.DEFINE_string("prompt_file", None, "--generate: JSON lines, each a conversation ending with its reference "
+                    "assistant turn ({\"messages\": [...]} or {\"prompt\": ..., \"completion\": ...}).")
+flags.DEFINE_integer("batch_size", 16, "--generate: conversations generated (and scored) at once.")
+flags.DEFINE_integer("max_new_tokens", None, "--generate: tokens generated per answer (default: the longest "
+                     "reference's + 1, so a right answer is never cut).")
+flags.DEFINE_string("output_file", None, "--generate: also write the JSON report here.")
 FLAGS = flags.FLAGS
+
+
+def generate_main(exp: experiment.Experiment) -> None:
+  """--generate: exact match and reference loss of --prompt_file's conversations."""
+  if not FLAGS.prompt_file:
+    raise ValueError("--generate needs --prompt_file=IN.jsonl (conversations with reference answers)")
+  if FLAGS.batch_size < 1:
+    raise ValueError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
+  lines = chat_eval.read_chat_lines(FLAGS.prompt_file, require_reference=True)
+  encoder = chat_eval.encoder_for(exp, gin_utils.configured(chat.ChatTemplate, "data"), FLAGS.tokenizer)
+  with exp.context():
+    step, params = exp.restore_params(FLAGS.step)
+    scores = chat_eval.evaluate(params, encoder, lines, objective=exp.model_objective, config=exp.model_config,
+                                batch_size=FLAGS.batch_size, max_new_tokens=FLAGS.max_new_tokens,
+                                loss_chunk=exp.config.loss_chunk)
+  report = {"step": int(step), "prompt_file": FLAGS.prompt_file, **scores}
+  print(f"step {step}  {FLAGS.prompt_file}  exact match {scores['generate/exact_match']:.4f} "
+        f"({scores['generate/exact_matches']}/{scores['generate/examples']})  reference loss "
+        f"{scores['generate/loss']:.6f} ({int(scores['generate/tokens'])} tokens)", flush=True)
+  text = json.dumps(report, ensure_ascii=False)
+  print(text, flush=True)
+  if FLAGS.output_file:
+    files.write_atomic(FLAGS.output_file, text + "\n")
 
 
 def main(argv):
@@ -34,9 +72,12 @@ def main(argv):
       raise ValueError(f"--eval_batches must be >= 0, got {FLAGS.eval_batches}")
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, eval_batches=FLAGS.eval_batches))
   exp = experiment.Experiment(config, gin_utils.configured(model.GPTConfig, "model"),
-                           gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))
+                              gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))
   if FLAGS.tokenizer:
     tokenizer.check_wrote(tokenizer.load(FLAGS.tokenizer), exp.manifest, config.data_dir)
+  if FLAGS.generate:
+    generate_main(exp)
+    return
   result = exp.evaluate_checkpoint(FLAGS.step, FLAGS.split)
   print(f"step {result['step']}  {result['split']}  loss {result['eval/loss']:.6f}  "
         f"perplexity {result['eval/perplexity']:.4f}  ({int(result['eval/tokens'])} tokens, "
