@@ -33,7 +33,13 @@ from t5x_like.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-a
 from t5x_like.parallel import partitioning  # pylint: disable=g-import-not-at-top
 from t5x_like.training import checkpointing  # pylint: disable=g-import-not-at-top
 from t5x_like.training import lora  # pylint: disable=g-import-not-at-top
+from t5x_like.training import config as config_lib  # pylint: disable=g-import-not-at-top
+from t5x_like.training import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
+from t5x_like.training import trainer  # pylint: disable=g-import-not-at-top
 from t5x_like.training.config import LoraConfig  # pylint: disable=g-import-not-at-top
+from t5x_like.data import chat_synth  # pylint: disable=g-import-not-at-top
+from t5x_like.data import preprocessing  # pylint: disable=g-import-not-at-top
+from tests import test_parallelism  # pylint: disable=g-import-not-at-top
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 300  # not a multiple of 128: the import pads to 384
@@ -63,7 +69,7 @@ def _save_tokenizer(folder):
   tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = tokenizers.decoders.ByteLevel()
   tok.train_from_iterator([TEXT], tokenizers.trainers.BpeTrainer(
-      vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+      vocab_size=VOCAB, special_tokens=["<|endoftext|>", *tokenizer_lib.CHAT_TOKENS],  # markers: SFT below
       initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
   fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
   fast.save_pretrained(folder)
@@ -386,3 +392,54 @@ def test_cli_exports_with_model_gin_and_fails_in_one_line(hf_models, imported, t
   assert failed.returncode == 1
   assert failed.stderr.strip().splitlines() == [f"error: {tmp_path}: no config.json: not a Hugging Face model folder"]
   assert not os.path.exists(tmp_path / "again")
+
+
+# ----------------------------------------------------------------------------------------------------
+# An imported model is an ordinary t5x_like model: every kind of layout, exact resume, fine-tuning.
+
+
+@pytest.fixture(scope="module")
+def imported_llama_reference(imported):
+  _, config, params = imported["llama_gqa"]
+  initial = test_parallelism.host_initial_state(config).replace(params=jax.tree.map(np.asarray, params))
+  return config, initial, test_parallelism.train(initial, {"data": 1}, devices=jax.devices()[:1], base=config)
+
+
+@pytest.mark.parametrize("layout", ["data2_fsdp2_tensor2", "pipeline2_data2_tensor2"])
+def test_imported_llama_trains_on_every_kind_of_layout_like_one_device(layout, imported_llama_reference):
+  """The imported grouped-query Llama (padded vocabulary rows masked) from its converted weights: the
+  data×fsdp×tensor and pipeline×data×tensor layouts train exactly like one device (test_parallelism's
+  tolerances, test_llama's parameter atol)."""
+  config, initial, reference = imported_llama_reference
+  result = test_parallelism.train(initial, **test_parallelism.LAYOUTS[layout], base=config)
+  test_parallelism.assert_same_training(result, reference, param_atol=5e-6)
+
+
+@pytest.mark.slow  # preprocesses a chat corpus and launches three short fine-tuning runs
+def test_imported_llama_fine_tunes_on_chat_data_and_resumes_bit_exactly(imported, tmp_path):
+  """SFT of the imported Llama with its own Hugging Face tokenizer (INITIAL_CHECKPOINT_PATH = the converted
+  folder): the loss on the assistant tokens falls, and 3 steps + resume to 6 equals 6 straight steps."""
+  model_dir, config, _ = imported["llama_gqa"]
+  train_file, _ = chat_synth.write_synthetic_chat(str(tmp_path / "chat"), task="reverse", num_train=300,
+                                                 num_test=10, seed=0)
+  data_dir = str(tmp_path / "data")
+  preprocessing.preprocess_chat([train_file], data_dir, tokenizer=model_dir, validation_fraction=0.05)
+  opt = optimizer_lib.OptimizerConfig(learning_rate=3e-3, warmup_steps=1, decay="constant")
+
+  def run(run_dir, steps):
+    run_config = config_lib.TrainConfig(
+        model_dir=str(run_dir), data_dir=data_dir, train_steps=steps, batch_size=8, seq_len=32, log_every=1,
+        eval_every=0, checkpoint_every=3, mesh_shape={"data": -1},
+        data=config_lib.DataConfig(eval_batches=1, shuffle_buffer=64),
+        checkpoint=config_lib.CheckpointConfig(async_save=False, warm_start_from=model_dir, warm_start_required=True))
+    trainer.train(run_config, config, opt)
+    return {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))
+            if "loss" in r}
+
+  straight = run(tmp_path / "straight", 6)
+  run(tmp_path / "resumed", 3)
+  assert run(tmp_path / "resumed", 6) == straight
+  assert straight[6] < straight[1] - 0.2, straight
+  digests = [checkpointing.params_digest(checkpointing.restore_params(str(tmp_path / name))[1])
+             for name in ("straight", "resumed")]
+  assert digests[0] == digests[1]
