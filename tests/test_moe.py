@@ -294,14 +294,16 @@ def test_moe_metrics_reach_metrics_jsonl_and_prometheus(tmp_path):
 
 def test_kv_cache_decoding_of_moe_groups_equals_recompute():
   """moe_every = 2 (a (dense, MoE) pair per stacked element, the cache split per layer): cached greedy decoding
-  gives the tokens of re-running the whole sequence (dropless, as decoding always routes)."""
-  cfg = dataclasses.replace(GROUPED, moe_dropless=True)
-  params = partitioning.unbox(model_lib.GPT(cfg).init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))["params"])
+  of the capacity-limited model gives the tokens of re-running the whole sequence without a capacity limit
+  (decoding routes dropless: the 5-token prompt would otherwise have 2 slots per expert)."""
+  params = partitioning.unbox(model_lib.GPT(GROUPED).init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))["params"])
   assert set(params["blocks"]) == {"layer_0", "layer_1"} and "moe" in params["blocks"]["layer_1"]
-  prompts = np.random.RandomState(2).randint(1, cfg.vocab_size, (2, 5)).astype(np.int32)
-  cached = decoding.generate(params, jnp.asarray(prompts), jnp.ones_like(prompts), jax.random.key(0), config=cfg,
+  params = jax.tree.map(lambda w: 10 * w, params)  # a sharper model: dropped tokens would change its predictions
+  prompts = np.random.RandomState(2).randint(1, GROUPED.vocab_size, (2, 5)).astype(np.int32)
+  cached = decoding.generate(params, jnp.asarray(prompts), jnp.ones_like(prompts), jax.random.key(0), config=GROUPED,
                              max_new_tokens=2)
-  recomputed = decoding.generate_by_recompute(params, prompts, config=cfg, max_new_tokens=2)
+  recomputed = decoding.generate_by_recompute(params, prompts, config=dataclasses.replace(GROUPED, moe_dropless=True),
+                                              max_new_tokens=2)
   np.testing.assert_array_equal(np.asarray(cached), np.asarray(recomputed))
 
 
