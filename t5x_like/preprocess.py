@@ -1,6 +1,7 @@
 """`python -m t5x_like.preprocess`: clean -> tokenizer -> balanced TFRecord shards + manifest.json.
 
     python -m t5x_like.preprocess --input='corpus/*.txt' --output_dir=/data/mycorpus [--runner=DirectRunner]
+    python -m t5x_like.preprocess --input='corpus/*.jsonl' --output_dir=/data/ordered --order_by=field:difficulty
     python -m t5x_like.preprocess --format=chat --input='sft/*.jsonl' --output_dir=/data/sft \
         --tokenizer=/data/mycorpus [--gin_file=my_template.gin] [--gin.data.ChatTemplate.separator="''"]
 """
@@ -36,6 +37,9 @@ def define_flags():
                    "--pack_length): longer ones are cut after the last assistant turn that fits, or "
                    "dropped when the first one does not.")
   f.DEFINE_bool("train_on_prompt", False, "chat: loss weight 1 on every token, not only assistant turns.")
+  f.DEFINE_string("order_by", "none", "Easy-to-hard order of the train split: 'none' (seeded shards), "
+                  "'length' (tokens) or 'field:NAME' (a numeric field of every JSON line); ascending, ties "
+                  "by content hash; the input pipeline reads it in that order (docs/data_order.md).")
   cli.define_gin_flags()  # chat: the template, bound as data.ChatTemplate.<field>
   f.DEFINE_integer("vocab_size", 8192, "Tokenizer vocabulary size (capped to what the corpus allows).")
   f.DEFINE_enum("model_type", "bpe", ["bpe", "unigram"], "SentencePiece model type.")
@@ -88,8 +92,11 @@ def main(argv) -> None:
       report = preprocessing.preprocess(fl.input, fl.output_dir, data_format=fl.format,
                                         chat_template=cli.configured(chat.ChatTemplate, "data"),
                                         train_on_prompt=fl.train_on_prompt, max_tokens=fl.max_tokens,
-                                        **kwargs)
+                                        order_by=fl.order_by, **kwargs)
     else:
+      if fl.order_by not in ("", "none"):
+        raise ValueError(f"--order_by={fl.order_by} runs with --runner=local only (the Beam runner writes "
+                         "the seeded shard plan)")
       if fl.format != "text":
         raise ValueError(f"--format={fl.format} runs with --runner=local only (the Beam runner writes text "
                          "DATA_DIRs); chat data sets are small enough for one machine")

@@ -10,6 +10,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from t5x_like.data import ordering
 from t5x_like.data import tokenizer as tokenizer_lib
 
 log = logging.getLogger(__name__)
@@ -112,13 +113,17 @@ def parse_conversation(obj) -> list[tuple[str, str]]:
   return messages
 
 
-def parse_line(line: str | bytes) -> list[tuple[str, str]]:
-  """`parse_conversation` of one JSON line; bad JSON raises MalformedLine("bad_json")."""
+def load_line(line: str | bytes):
+  """One decoded JSON line; bad JSON raises MalformedLine("bad_json")."""
   try:
-    obj = json.loads(line)
+    return json.loads(line)
   except ValueError as e:
     raise MalformedLine("bad_json", str(e)) from None
-  return parse_conversation(obj)
+
+
+def parse_line(line: str | bytes) -> list[tuple[str, str]]:
+  """`parse_conversation` of one JSON line; bad JSON raises MalformedLine("bad_json")."""
+  return parse_conversation(load_line(line))
 
 
 def prompt_and_reference(messages: Sequence[tuple[str, str]]) -> tuple[list, str]:
@@ -258,16 +263,19 @@ class ChatDocuments:
   docs: list = dataclasses.field(default_factory=list)       # Rendered, in input order
   counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   malformed_lines: list = dataclasses.field(default_factory=list)  # "file:line: reason: detail", first few
+  scores: list = dataclasses.field(default_factory=list)  # per doc: the score_field value (when one is asked)
 
 
 def read_conversations(files: Sequence[tuple[str, str]], encoder: ChatEncoder,
-                       max_tokens: int | None = None) -> ChatDocuments:
+                       max_tokens: int | None = None, score_field: str | None = None) -> ChatDocuments:
   """Parses, renders and length-checks every JSON line of `files`.
 
   Args:
     files: (name used in messages, text) per input file.
     encoder: the template and tokenizer.
     max_tokens: conversations longer than this (EOS included) are cut by `truncate` (None: no limit).
+    score_field: keep each conversation's numeric value of this field in `scores`
+      (`ordering.field_score`: a conversation without one is a ValueError naming file:line).
 
   Returns:
     ChatDocuments. Blank lines are skipped; every other line is either a document or counted under
@@ -280,19 +288,23 @@ def read_conversations(files: Sequence[tuple[str, str]], encoder: ChatEncoder,
         continue
       out.counts["documents_in"] += 1
       try:
-        doc = encoder.render(parse_line(line))
+        obj = load_line(line)
+        doc = encoder.render(parse_conversation(obj))
       except MalformedLine as e:
         out.counts[f"dropped_malformed_{e.reason}"] += 1
         if len(out.malformed_lines) < EXAMPLES_KEPT:
           out.malformed_lines.append(f"{name}:{number}: {e}")
           log.warning("Skipping malformed chat line %s:%d: %s", name, number, e)
         continue
+      score = ordering.field_score(obj, score_field, f"{name}:{number}") if score_field else None
       if max_tokens is not None and len(doc.ids) > max_tokens:
         doc = truncate(doc, max_tokens, encoder.tokenizer.eos_id)
         if doc is None:
           out.counts["dropped_too_long"] += 1
           continue
         out.counts["changed_truncated"] += 1
+      if score_field:
+        out.scores.append(score)
       out.docs.append(doc)
   malformed = sum(v for k, v in out.counts.items() if k.startswith("dropped_malformed_"))
   if malformed > len(out.malformed_lines):

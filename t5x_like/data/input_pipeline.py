@@ -214,16 +214,29 @@ def _pad_to(x, size: int, axis: int):
   return tf.ensure_shape(out, [size if i == axis else d for i, d in enumerate(x.shape)])
 
 
+def ordered_splits(manifest: dict) -> tuple[str, ...]:
+  """The splits `preprocess --order_by` wrote in an order the reader must keep (manifest "order")."""
+  return tuple((manifest.get("order") or {}).get("splits", ()))
+
+
 def host_shards(manifest: dict, data_dir: str, split: str, process_index: int,
                 process_count: int) -> tuple[list[tuple[str, int]], tuple[int, int] | None]:
-  """This process's (path, expected records) and the record-level split when shards are too few."""
+  """This process's (path, expected records) and the record-level split when shards are too few.
+
+  Shards are dealt round-robin to readers when there are at least as many as readers; otherwise
+  every reader reads every shard, keeping records i with i % process_count == process_index. An
+  ordered split (its records dealt round-robin over the shards in score order) is read record-level
+  too unless the reader count divides the shard count, so that every reader moves through the order
+  at the same pace: the i-th record a reader reads is near record i·P of the global order.
+  """
   if split not in manifest["splits"]:
     raise ValueError(f"DATA_DIR '{data_dir}' has no split '{split}' "
                      f"(available: {sorted(manifest['splits'])})")
   shards = [(resolve_path(data_dir, s["path"]), int(s["num_records"] if "num_records" in s
                                                    else s["num_documents"]))
             for s in manifest["splits"][split]["shards"]]
-  if len(shards) >= process_count:
+  uneven = split in ordered_splits(manifest) and len(shards) % process_count
+  if len(shards) >= process_count and not uneven:
     return shards[process_index::process_count], None
   count = lambda n: len(range(process_index, n, process_count))  # records i with i % P == index
   return [(p, count(n)) for p, n in shards], (process_count, process_index)
@@ -234,7 +247,7 @@ def make_dataset(data_dir: str, split: str, *, batch_size: int, seq_len: int, se
                  process_count: int | None = None, shuffle_buffer: int = 1024,
                  num_parallel_reads: int = AUTOTUNE, cycle_length: int | None = None,
                  records_per_read: int = 64, on_corrupt: str = "raise", verify: str = "size",
-                 prefetch: int = AUTOTUNE) -> tf.data.Dataset:
+                 prefetch: int = AUTOTUNE, order_window: int = 0) -> tf.data.Dataset:
   """This process's batches of packed rows; see `packing.pack_features` for the element.
 
   Shards are dealt to processes round-robin (record-level when there are fewer shards than
@@ -252,6 +265,12 @@ def make_dataset(data_dir: str, split: str, *, batch_size: int, seq_len: int, se
   holds no buffer: shard order is reshuffled each epoch, and rows are permuted within consecutive
   blocks of `shuffle_buffer` rows (a vectorized permutation instead of a per-row shuffle buffer).
 
+  An ordered split (`preprocess --order_by`, manifest "order") is read in its order: its shards in
+  manifest order, all open at once, one record from each in turn (the writer dealt the sorted
+  records round-robin, so this is the sorted sequence), and never shuffled across it: with
+  shuffle=True, rows are permuted only within consecutive blocks of `order_window` rows (0: not at
+  all). Each epoch repeats the same order.
+
   Args:
     data_dir: prepared DATA_DIR.
     split: "train" or "validation".
@@ -268,6 +287,8 @@ def make_dataset(data_dir: str, split: str, *, batch_size: int, seq_len: int, se
       is skipped and a warning with the count of skipped records is printed.
     verify: manifest checks before reading ("none", "size", "sha256").
     prefetch: batches prefetched.
+    order_window: an ordered split's local shuffle: rows permuted within blocks of this many (with
+      shuffle=True; 0 = strict order, the default). `shuffle_buffer` and `cycle_length` do not apply.
 
   Returns:
     tf.data.Dataset of {inputs, targets, segment_ids, positions: int32 (B, L), weights: f32 (B, L)}.
@@ -280,27 +301,38 @@ def make_dataset(data_dir: str, split: str, *, batch_size: int, seq_len: int, se
   if process_index is None or process_count is None:
     import jax  # pylint: disable=g-import-not-at-top  (lazy: TF-only users never load JAX)
     process_index, process_count = jax.process_index(), jax.process_count()
+  if order_window < 0:
+    raise ValueError(f"order_window must be >= 0, got {order_window}")
   shards, record_shard = host_shards(manifest, data_dir, split, process_index, process_count)
   pad_id, eos_id, length = manifest["pad_id"], manifest["eos_id"], seq_len + 1
   local_seed = seed * 1_000_003 + process_index
+  ordered = split in ordered_splits(manifest)
   files = tf.data.Dataset.from_tensor_slices(([p for p, _ in shards],
                                              tf.constant([n for _, n in shards], tf.int64)))
-  if shuffle:
+  if shuffle and not ordered:
     files = files.shuffle(len(shards), seed=local_seed, reshuffle_each_iteration=True)
   if repeat:
     files = files.repeat()
   read = functools.partial(_read_shard, records_per_read=records_per_read,
                            record_shard=record_shard, on_corrupt=on_corrupt)
-  ds = files.interleave(read, cycle_length=cycle_length or min(len(shards), 8), block_length=1,
-                        num_parallel_calls=num_parallel_reads, deterministic=True)
+  if ordered:  # one record of each shard in turn: the order the writer dealt them in
+    log.info("DATA_DIR '%s' split '%s' is ordered by %s: read in that order (local shuffle window: %d rows)",
+             data_dir, split, manifest["order"].get("by"), order_window if shuffle else 0)
+    ds = files.interleave(lambda path, n: read(path, n).unbatch(), cycle_length=len(shards), block_length=1,
+                          num_parallel_calls=num_parallel_reads, deterministic=True)
+    ds = ds.batch(records_per_read)
+  else:
+    ds = files.interleave(read, cycle_length=cycle_length or min(len(shards), 8), block_length=1,
+                          num_parallel_calls=num_parallel_reads, deterministic=True)
   packed = manifest.get("packed_length")
   chat = manifest.get("format", "text") == "chat"
-  block = shuffle_buffer if shuffle else batch_size  # rows
+  window = (order_window if ordered else shuffle_buffer) if shuffle else 0  # rows permuted together
+  block = window or batch_size  # rows
   if packed == length:  # pre-packed rows with their segment ids and positions: no repacking
     parse = functools.partial(packing.parse_packed, length=length, dtype=manifest["packed_dtype"],
                               channels=4 if chat else 3)
     ds = ds.map(parse, num_parallel_calls=AUTOTUNE, deterministic=True)
-    if shuffle:
+    if window:
       ds = ds.rebatch(block, drop_remainder=False)
   elif chat and packed:
     raise ValueError(f"DATA_DIR '{data_dir}' holds chat rows pre-packed to {packed} tokens: read it with "
@@ -324,7 +356,7 @@ def make_dataset(data_dir: str, split: str, *, batch_size: int, seq_len: int, se
     ds = ds.rebatch(block * length, drop_remainder=repeat)
     ds = ds.map(functools.partial(_to_rows, length=length, pad_id=pad_id, eos_id=eos_id),
                 num_parallel_calls=AUTOTUNE, deterministic=True)
-  if shuffle:
+  if window:
     ds = ds.enumerate().map(functools.partial(_permute, seed=local_seed),
                             num_parallel_calls=AUTOTUNE, deterministic=True)
   ds = ds.rebatch(batch_size, drop_remainder=repeat)

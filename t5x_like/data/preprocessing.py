@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from t5x_like.data import chat
 from t5x_like.data import input_pipeline
+from t5x_like.data import ordering
 from t5x_like.data import packing
 from t5x_like.data.tokenization_cache import CACHE_VERSION as _CACHE_VERSION
 from t5x_like.data.tokenization_cache import Cache
@@ -129,25 +130,30 @@ def get_tokenizer(files, file_hashes, opts, cache: Cache, num_workers) -> tokeni
 
 
 def tokenize_inputs(files, file_hashes, tok, cleaning, doc_split, text_field, cache: Cache,
-                    num_workers, progress=True) -> tuple[list[text_cleaning.FileDocuments], collections.Counter]:
-  """Tokenizes every input (cache hits are loaded, not recomputed); returns per-file documents."""
+                    num_workers, progress=True, score_field: str | None = None
+                    ) -> tuple[list[text_cleaning.FileDocuments], collections.Counter]:
+  """Tokenizes every input (cache hits are loaded, not recomputed); returns per-file documents.
+
+  `score_field`: also keep each JSON-lines document's numeric value of this field (--order_by=field:NAME).
+  """
   counts = collections.Counter()
   results: list = [None] * len(files)
   todo, keys = [], {}
   bar = Progress("tokenize", len(files), enabled=progress)
   for i, f in enumerate(files):
     keys[i] = _digest(_CACHE_VERSION, file_hashes[i], tok.encoding_sha256,
-                      dataclasses.asdict(cleaning), doc_split, text_field, input_kind(f))
+                      dataclasses.asdict(cleaning), doc_split, text_field, input_kind(f),
+                      *([score_field] if score_field else []))
     hit = cache.get_docs(keys[i])
-    if hit is not None:
+    if hit is not None and (hit.scores is not None or not score_field):
       hit.counts["documents_tokenized"] = 0  # the cached counts are from the run that did the work
       results[i] = hit
       counts["cache_hits"] += 1
       bar.update(1, int(hit.lengths.sum()))
     else:
       todo.append(i)
-  args = ((read_input(files[i]), input_kind(files[i]), cleaning, doc_split, text_field, tok.eos_id)
-          for i in todo)
+  args = ((read_input(files[i]), input_kind(files[i]), cleaning, doc_split, text_field, tok.eos_id,
+           score_field, files[i]) for i in todo)
   for i, docs in zip(todo, _pool_map(text_cleaning.worker_process_file, args, num_workers,
                                      text_cleaning.init_worker, (tok.encoder_model,))):
     results[i] = docs
@@ -169,7 +175,8 @@ def preprocess_chat(inputs: Sequence[str] | str, output_dir: str, *, tokenizer: 
                     template: chat.ChatTemplate = chat.ChatTemplate(), train_on_prompt: bool = False,
                     max_tokens: int | None = None, num_train_shards: int = 4,
                     num_validation_shards: int = 1, validation_fraction: float = 0.01, seed: int = 0,
-                    pack_length: int | None = None, dedup: bool = True) -> dict:
+                    pack_length: int | None = None, dedup: bool = True,
+                    order: ordering.OrderSpec | None = None) -> dict:
   """Builds a chat DATA_DIR (format "chat": tokens and per-token loss weights) from JSON lines.
 
   Each line is a conversation (see `chat.parse_conversation` for the shapes) rendered by `template`
@@ -181,6 +188,7 @@ def preprocess_chat(inputs: Sequence[str] | str, output_dir: str, *, tokenizer: 
     template, train_on_prompt: see `chat.ChatEncoder`.
     max_tokens: longest conversation kept, EOS included (default: pack_length; None: no limit);
       longer ones are cut or dropped by `chat.truncate`'s rule.
+    order: sort the train split by length or by a numeric field of each line (`preprocess`'s order_by).
     Others: as `preprocess`.
   """
   if not tokenizer:
@@ -198,10 +206,10 @@ def preprocess_chat(inputs: Sequence[str] | str, output_dir: str, *, tokenizer: 
   counts = collections.Counter()
   texts = [(f, text_cleaning.fix_invalid_utf8(text_cleaning.decode_utf8(read_input(f)), "replace", counts))
            for f in files]
-  result = chat.read_conversations(texts, encoder, max_tokens)
+  result = chat.read_conversations(texts, encoder, max_tokens, score_field=order and order.field)
   counts.update(result.counts)
-  docs, weights, hashes, seen = [], [], [], set()
-  for d in result.docs:
+  docs, weights, hashes, scores, seen = [], [], [], [], set()
+  for k, d in enumerate(result.docs):
     h = hashlib.sha256(d.ids.tobytes() + d.weights.tobytes()).digest()[:16]
     if dedup and h in seen:
       counts["dropped_duplicate"] += 1
@@ -210,13 +218,16 @@ def preprocess_chat(inputs: Sequence[str] | str, output_dir: str, *, tokenizer: 
     docs.append(d.ids)
     weights.append(d.weights)
     hashes.append(h)
+    if result.scores:
+      scores.append(result.scores[k])
   if not docs:
     raise ValueError(f"No conversations left in {len(files)} input file(s) (dropped: "
                      f"{_by_prefix(counts, 'dropped_')}; first: {result.malformed_lines[:1]})")
   extra = {"inputs": len(files), "chat_template": dataclasses.asdict(template),
            "train_on_prompt": train_on_prompt, "max_tokens": max_tokens}
   report = write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed, num_train_shards,
-                          num_validation_shards, pack_length, counts, extra, weights=weights)
+                          num_validation_shards, pack_length, counts, extra, weights=weights, order=order,
+                          scores=scores if order and order.field else None)
   report["malformed_lines"] = result.malformed_lines
   return report
 
@@ -230,7 +241,7 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
                pack_length: int | None = None, num_workers: int | None = None,
                cache_dir: str | None = "", progress: bool = True, data_format: str = "text",
                chat_template: chat.ChatTemplate = chat.ChatTemplate(), train_on_prompt: bool = False,
-               max_tokens: int | None = None) -> dict:
+               max_tokens: int | None = None, order_by: str | None = None) -> dict:
   """Builds a DATA_DIR from text / JSON-lines inputs; returns the report (also in the manifest).
 
   Args:
@@ -251,6 +262,11 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
     progress: log progress lines.
     data_format: "text", or "chat": conversations with loss weights (`preprocess_chat`, which
       takes chat_template, train_on_prompt, max_tokens; needs `tokenizer`; no cleaning or cache).
+    order_by: None / "none": the seeded shard plan. "length" (tokens, EOS included) or "field:NAME"
+      (the numeric JSON field NAME of each line; JSON-lines input only, every line needs it): the
+      train split is written sorted ascending by that score, ties by content hash, dealt round-robin
+      over its shards so that the input pipeline reads it back in that order (`ordering`); the
+      manifest records it as "order".
 
   Returns:
     The report: documents in/out, tokens, dropped and changed counts by rule, time, tokens/s.
@@ -264,18 +280,24 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
     raise ValueError(f"--pack_length must be >= 2, got {pack_length}")
   if data_format not in shard_writer.FEATURES:
     raise ValueError(f"--format must be one of {sorted(shard_writer.FEATURES)}, got '{data_format}'")
+  order = ordering.parse_order_by(order_by)
   if data_format == "chat":
     report = preprocess_chat(inputs, output_dir, tokenizer=tokenizer, template=chat_template,
                              train_on_prompt=train_on_prompt, max_tokens=max_tokens,
                              num_train_shards=num_train_shards, num_validation_shards=num_validation_shards,
                              validation_fraction=validation_fraction, seed=seed, pack_length=pack_length,
-                             dedup=cleaning.dedup)
+                             dedup=cleaning.dedup, order=order)
     elapsed = time.time() - t0
     report.update(time_s=round(elapsed, 3), tokens_per_s=round(report["tokens"] / max(elapsed, 1e-9)))
     return report
   tokenizer = resolve_tokenizer_path(tokenizer) if tokenizer else None
   text_cleaning.split_documents("", doc_split)  # validates doc_split
   files = expand_inputs(inputs)
+  score_field = order and order.field
+  for f in files if score_field else ():
+    if input_kind(f) != "jsonl":
+      raise ValueError(f"--order_by={order.by} needs JSON-lines input: --input file '{f}' is not "
+                       "*.jsonl / *.json(.gz)")
   num_workers = num_workers or os.cpu_count() or 1
   cache = Cache(shard_writer.join(output_dir, ".cache") if cache_dir == "" else cache_dir)
   file_hashes = [hashlib.sha256(read_input(f)).hexdigest() for f in files]
@@ -287,9 +309,9 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
   tok = get_tokenizer(files, file_hashes, opts, cache, num_workers)
   t_tok = time.time()
   per_file, counts = tokenize_inputs(files, file_hashes, tok, cleaning, doc_split, text_field, cache,
-                                     num_workers, progress)
+                                     num_workers, progress, score_field)
   t_tokenized = time.time()
-  docs, hashes, seen = [], [], set()
+  docs, hashes, scores, seen = [], [], [], set()
   for r in per_file:
     offsets = np.concatenate([[0], np.cumsum(r.lengths)])
     for j in range(len(r.lengths)):
@@ -300,13 +322,16 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
       seen.add(h)
       docs.append(r.tokens[offsets[j]:offsets[j + 1]])
       hashes.append(h)
+      if score_field:
+        scores.append(float(r.scores[j]))
   if not docs:
     raise ValueError(f"No documents left after cleaning {len(files)} input file(s) "
                      f"(dropped: {_by_prefix(counts, 'dropped_')})")
   report = write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed,
                           num_train_shards, num_validation_shards, pack_length, counts,
                           extra={"cleaning": dataclasses.asdict(cleaning), "doc_split": doc_split,
-                                 "text_field": text_field, "inputs": len(files)})
+                                 "text_field": text_field, "inputs": len(files)},
+                          order=order, scores=scores if score_field else None)
   elapsed = time.time() - t0
   report.update(time_s=round(elapsed, 3), tokenizer_s=round(t_tok - t0, 3),
                 tokenize_s=round(t_tokenized - t_tok, 3),
@@ -320,10 +345,13 @@ def _by_prefix(counts, prefix: str) -> dict:
 
 
 def write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed, num_train_shards,
-                   num_validation_shards, pack_length, counts, extra, weights=None) -> dict:
+                   num_validation_shards, pack_length, counts, extra, weights=None,
+                   order: ordering.OrderSpec | None = None, scores=None) -> dict:
   """Splits, shards and writes documents, then the tokenizer and manifest (manifest last).
 
   `weights`: one loss-weight array per document (a chat DATA_DIR), or None (text).
+  `order`: write the splits in `ordering.ORDERED_SPLITS` sorted by length, or by `scores` (one per
+  document) for a field order; None: every split by the seeded shard plan.
   """
   tf.io.gfile.makedirs(output_dir)
   manifest_path = shard_writer.join(output_dir, shard_writer.MANIFEST)
@@ -331,23 +359,37 @@ def write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed, num
     tf.io.gfile.remove(manifest_path)
   is_val = shard_writer.split_documents(hashes, validation_fraction, seed)
   packed_dtype = packing.packed_dtype(tok.vocab_size, pack_length or 0)
-  splits = {}
+  splits, score_range = {}, {}
   for split, mask, n in (("train", ~is_val, num_train_shards),
                          ("validation", is_val, num_validation_shards)):
     split_docs = [d for d, m in zip(docs, mask) if m]
     split_weights = None if weights is None else [w for w, m in zip(weights, mask) if m]
-    plan = shard_writer.plan_shards([len(d) for d in split_docs], n, seed)
-    splits[split] = shard_writer.split_entry([
-        shard_writer.write_shard(output_dir, shard_writer.shard_name(split, i, n),
-                                 [split_docs[j] for j in plan[i]], pack_length, tok.pad_id,
-                                 tok.eos_id, packed_dtype,
-                                 None if weights is None else [split_weights[j] for j in plan[i]])
-        for i in range(n)])
+    if order is not None and split in ordering.ORDERED_SPLITS:
+      split_scores = (np.array([len(d) for d in split_docs], np.float64) if scores is None
+                      else np.array([x for x, m in zip(scores, mask) if m], np.float64))
+      index = ordering.sorted_indices(split_scores, [h for h, m in zip(hashes, mask) if m])
+      if len(index):
+        score_range[split] = {"first": float(split_scores[index[0]]), "last": float(split_scores[index[-1]])}
+      shards = shard_writer.write_ordered_shards(
+          output_dir, split, [split_docs[j] for j in index], n, pack_length, tok.pad_id, tok.eos_id,
+          packed_dtype, None if weights is None else [split_weights[j] for j in index])
+    else:
+      plan = shard_writer.plan_shards([len(d) for d in split_docs], n, seed)
+      shards = [shard_writer.write_shard(output_dir, shard_writer.shard_name(split, i, n),
+                                         [split_docs[j] for j in plan[i]], pack_length, tok.pad_id,
+                                         tok.eos_id, packed_dtype,
+                                         None if weights is None else [split_weights[j] for j in plan[i]])
+                for i in range(n)]
+    splits[split] = shard_writer.split_entry(shards)
     if weights is not None:  # the pipeline warns when conversations are longer than its rows
       splits[split]["max_document_tokens"] = max((len(d) for d in split_docs), default=0)
   tok.save(shard_writer.join(output_dir, tok.filename))
   shard_writer.remove_stale(output_dir, [s["path"] for sp in splits.values() for s in sp["shards"]])
   report = make_report(counts, splits, len(docs))
+  if order is not None:
+    extra = dict(extra, order=order.manifest_entry())
+    report["order"] = {"by": order.by, **{f"{split}_{k}": v for split, r in score_range.items()
+                                           for k, v in r.items()}}
   stats = {k: v for k, v in report.items() if k not in ("documents_tokenized", "cache_hits")}
   manifest = shard_writer.make_manifest(tok, splits, pack_length, dict(extra, seed=seed, stats=stats),
                                         data_format="text" if weights is None else "chat")

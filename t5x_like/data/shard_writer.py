@@ -132,6 +132,50 @@ def write_shard(output_dir: str, name: str, docs: Sequence[np.ndarray], pack_len
   return entry
 
 
+def write_ordered_shards(output_dir: str, split: str, docs: Sequence[np.ndarray], num_shards: int,
+                         pack_length: int | None, pad_id: int, eos_id: int = 1, packed_dtype: str = "uint16",
+                         weights: Sequence[np.ndarray] | None = None) -> list[dict]:
+  """Writes documents already in their final order so that shard-by-shard round-robin reading restores it.
+
+  Record k of the sequence goes to shard k % num_shards: reading record 0 of every shard, then record
+  1 of every shard, ... gives records 0, 1, 2, ... With `pack_length`, the records are the rows packed
+  from the whole ordered sequence (text: cut from its token stream; chat: whole documents, as in
+  `write_shard`), so rows, not only documents, come back in order.
+
+  Example (5 documents, 2 shards, no packing):
+    shard 0: docs 0, 2, 4    shard 1: docs 1, 3
+
+  Returns:
+    The manifest entries of the shards, in shard order.
+  """
+  docs, weights = list(docs), None if weights is None else list(weights)
+  names = [shard_name(split, i, num_shards) for i in range(num_shards)]
+  if not pack_length:
+    return [write_shard(output_dir, names[i], docs[i::num_shards], None, pad_id, eos_id, packed_dtype,
+                        None if weights is None else weights[i::num_shards]) for i in range(num_shards)]
+  if weights is not None:  # (R, 4, N): whole documents; each starts at position 0 of its row
+    rows = packing.pack_documents_np(zip(docs, weights), pack_length, pad_id)
+    row_tokens = (rows[:, packing.SEGMENTS] > 0).sum(axis=1)
+    row_docs = ((rows[:, packing.POSITIONS] == 0) & (rows[:, packing.SEGMENTS] > 0)).sum(axis=1)
+  else:  # (R, 3, N): the token stream cut into rows; a document counts in the row it starts in
+    tokens = pack_rows(docs, pack_length, pad_id)
+    lengths = np.array([len(d) for d in docs], np.int64)
+    rows = np.stack([tokens, *packing.segment_rows_np(tokens, pad_id, eos_id)], axis=1)
+    total = int(lengths.sum())
+    row_tokens = np.clip(total - np.arange(len(rows)) * pack_length, 0, pack_length)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) // pack_length
+    row_docs = np.bincount(starts, minlength=len(rows)) if len(docs) else np.zeros(len(rows), np.int64)
+  entries = []
+  for i in range(num_shards):
+    mine = rows[i::num_shards]
+    entry = {"path": names[i], "num_documents": int(row_docs[i::num_shards].sum()),
+             "num_tokens": int(row_tokens[i::num_shards].sum())}
+    entry.update(write_records(join(output_dir, names[i]),
+                               (packing.serialize_packed_row(row, packed_dtype) for row in mine)))
+    entries.append(entry)
+  return entries
+
+
 def split_entry(shards: list[dict]) -> dict:
   return {"shards": shards,
           "num_documents": sum(s["num_documents"] for s in shards),

@@ -14,6 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
+from t5x_like.data import ordering
 from t5x_like.data import tokenizer_formats
 
 # Cc characters except tab / newline / carriage return, plus BOM, zero-width space and the
@@ -77,9 +78,10 @@ def split_documents(text: str, mode: str) -> list[str]:
   raise ValueError(f"doc_split must be 'file' or 'blank_line', got '{mode}'")
 
 
-def iter_jsonl(text: str, field: str, counts: collections.Counter) -> Iterator[str]:
-  """Yields `field` of each JSON line; bad lines and lines without the field are counted."""
-  for line in text.splitlines():
+def iter_jsonl_objects(text: str, field: str, counts: collections.Counter) -> Iterator[tuple[int, dict]]:
+  """Yields (line number from 1, object) of each JSON line whose `field` is a string; bad lines and
+  lines without the field are counted."""
+  for number, line in enumerate(text.splitlines(), 1):
     if not line.strip():
       continue
     try:
@@ -90,6 +92,12 @@ def iter_jsonl(text: str, field: str, counts: collections.Counter) -> Iterator[s
     if not isinstance(value, dict) or not isinstance(value.get(field), str):
       counts["dropped_missing_field"] += 1
       continue
+    yield number, value
+
+
+def iter_jsonl(text: str, field: str, counts: collections.Counter) -> Iterator[str]:
+  """Yields `field` of each JSON line; bad lines and lines without the field are counted."""
+  for _, value in iter_jsonl_objects(text, field, counts):
     yield value[field]
 
 
@@ -141,10 +149,12 @@ class FileDocuments:
   lengths: np.ndarray  # int64 (num_docs,): tokens per document, EOS included
   hashes: np.ndarray   # uint8 (num_docs, 16): content_hash of each cleaned document
   counts: collections.Counter
+  scores: np.ndarray | None = None  # float64 (num_docs,): the --order_by=field:NAME value of each, else None
 
 
 def process_file(raw: bytes, kind: str, config: CleaningConfig, doc_split: str = "file",
-                 text_field: str = "text", sp=None, eos_id: int = 1) -> FileDocuments:
+                 text_field: str = "text", sp=None, eos_id: int = 1, score_field: str | None = None,
+                 name: str = "<input>") -> FileDocuments:
   """Decodes, splits, cleans, hashes and (when `sp` is given) tokenizes one input file.
 
   Args:
@@ -156,22 +166,34 @@ def process_file(raw: bytes, kind: str, config: CleaningConfig, doc_split: str =
     sp: anything with `encode(list[str]) -> list[list[int]]` (a t5x_like tokenizer,
       `tokenizer_formats.encoder`); None keeps only hashes.
     eos_id: appended to each document.
+    score_field: JSON lines: keep each document's numeric value of this field as its score
+      (`ordering.field_score`; a line without one is an error naming `name`:line).
+    name: the file's name in errors.
 
   Returns:
     FileDocuments; without `sp`, tokens is empty and lengths counts characters (for stats).
   """
   counts = collections.Counter()
   text = decode_utf8(raw)
+  scores = None
   if kind == "jsonl":
-    docs = list(iter_jsonl(text, text_field, counts))
+    objects = list(iter_jsonl_objects(text, text_field, counts))
+    docs = [value[text_field] for _, value in objects]
+    if score_field:
+      scores = [ordering.field_score(value, score_field, f"{name}:{number}") for number, value in objects]
+  elif score_field:
+    raise ValueError(f"--order_by=field:{score_field} needs JSON-lines input: '{name}' is plain text")
   else:
     docs = split_documents(text, doc_split)
   counts["documents_in"] += len(docs) + counts["dropped_bad_json"] + counts["dropped_missing_field"]
-  kept = [d for d in (clean_text(d, config, counts) for d in docs) if d is not None]
+  cleaned = [clean_text(d, config, counts) for d in docs]
+  kept = [d for d in cleaned if d is not None]
+  if scores is not None:
+    scores = np.array([x for x, d in zip(scores, cleaned) if d is not None], np.float64)
   hashes = np.frombuffer(b"".join(content_hash(d) for d in kept), np.uint8).reshape(-1, 16)
   if sp is None:
     return FileDocuments(np.zeros([0], np.int32), np.array([len(d) for d in kept], np.int64),
-                         hashes, counts)
+                         hashes, counts, scores)
   ids = sp.encode(kept) if kept else []
   counts["documents_tokenized"] += len(kept)
   lengths = np.array([len(x) + 1 for x in ids], np.int64)
@@ -179,7 +201,7 @@ def process_file(raw: bytes, kind: str, config: CleaningConfig, doc_split: str =
   is_token = np.ones_like(flat, bool)
   is_token[np.cumsum(lengths) - 1] = False  # the last slot of each document keeps EOS
   flat[is_token] = np.fromiter(itertools.chain.from_iterable(ids), np.int32, len(flat) - len(ids))
-  return FileDocuments(flat, lengths, hashes, counts)
+  return FileDocuments(flat, lengths, hashes, counts, scores)
 
 
 def cleaned_documents(raw: bytes, kind: str, config: CleaningConfig, doc_split: str = "file",
@@ -203,9 +225,10 @@ def init_worker(model_proto: bytes | None) -> None:
 
 
 def worker_process_file(args: tuple) -> FileDocuments:
-  """`process_file` on (raw, kind, config, doc_split, text_field, eos_id) with the worker's model."""
-  raw, kind, config, doc_split, text_field, eos_id = args
-  return process_file(raw, kind, config, doc_split, text_field, _worker_sp, eos_id)
+  """`process_file` on (raw, kind, config, doc_split, text_field, eos_id, score_field, name) with the
+  worker's model."""
+  raw, kind, config, doc_split, text_field, eos_id, score_field, name = args
+  return process_file(raw, kind, config, doc_split, text_field, _worker_sp, eos_id, score_field, name)
 
 
 def worker_cleaned_documents(args: tuple) -> list[str]:

@@ -42,7 +42,8 @@ class Cache:
       with tf.io.gfile.GFile(path, "rb") as f:
         z = np.load(io.BytesIO(f.read()))
         counts = collections.Counter(json.loads(str(z["counts"])))
-        return text_cleaning.FileDocuments(z["tokens"], z["lengths"], z["hashes"], counts)
+        scores = z["scores"] if "scores" in z.files else None  # --order_by=field:NAME values
+        return text_cleaning.FileDocuments(z["tokens"], z["lengths"], z["hashes"], counts, scores)
     except Exception as e:  # a damaged cache entry is recomputed, never trusted
       log.warning("Ignoring unreadable cache entry %s: %s", path, e)
       return None
@@ -52,8 +53,9 @@ class Cache:
     if not path:
       return
     buf = io.BytesIO()
+    scores = {} if docs.scores is None else {"scores": docs.scores}
     np.savez(buf, tokens=docs.tokens, lengths=docs.lengths, hashes=docs.hashes,
-             counts=np.array(json.dumps(dict(docs.counts))))
+             counts=np.array(json.dumps(dict(docs.counts))), **scores)
     tmp = f"{path}.tmp-{os.getpid()}"
     with tf.io.gfile.GFile(tmp, "wb") as f:
       f.write(buf.getvalue())

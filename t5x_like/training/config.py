@@ -16,6 +16,9 @@ from t5x_like.training.curriculum import CurriculumConfig  # re-exported: nested
 class DataConfig:
   """How the training and evaluation batches are read."""
   shuffle_buffer: int = 1024  # rows permuted together in the training stream
+  # An ordered DATA_DIR (preprocess --order_by) is read in its easy-to-hard order, never shuffled across
+  # it (shuffle_buffer does not apply): rows are permuted only within blocks of this many; 0 = strict order.
+  order_window: int = 0
   # Readers the global batch is drawn from. The batches depend on this number only, never on the
   # process count: 1 (default) → identical batches on any number of hosts, each host reading the
   # whole stream and keeping its rows; a multiple of the host count (e.g. 32) → each host reads only

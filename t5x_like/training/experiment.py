@@ -232,6 +232,7 @@ class Experiment:
       return input_pipeline.make_dataset(
           self.config.data_dir, split, batch_size=batch_size, seq_len=self.config.seq_len,
           seed=self.config.seed, shuffle=shuffle, repeat=repeat, shuffle_buffer=self.config.data.shuffle_buffer,
+          order_window=self.config.data.order_window,
           process_index=stream_index, process_count=num_streams)
     return global_batch.process_rows(stream, num_streams=num_streams, global_batch_size=self.config.batch_size,
                                      process_index=jax.process_index(), process_count=jax.process_count())
