@@ -172,8 +172,10 @@ def test_regex_matching_nothing_is_a_one_line_error(corpus, tmp_path):
         LORA, targets="blocks/attn/qkv/.*")), TINY, OPT)
   with pytest.raises(ValueError, match=r"TrainConfig.trainable='blocks/atn/.\*' matches no parameter"):
     experiment_lib.Experiment(run_config(tmp_path, corpus, trainable="blocks/atn/.*"), TINY, OPT)
-  with pytest.raises(ValueError, match="LoraConfig.dropout=0.1 is not supported"):
-    config_lib.LoraConfig(rank=4, dropout=0.1)
+  with pytest.raises(ValueError, match=r"LoraConfig.dropout=1.0 must be in \[0, 1\)"):
+    config_lib.LoraConfig(rank=4, dropout=1.0)
+  with pytest.raises(ValueError, match="LoraConfig.dropout=0.1 with 2 pipeline stages"):
+    dataclasses.replace(TINY, lora_dropout=0.1, num_stages=2).validate()
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +217,29 @@ def test_lora_first_step_is_the_base_model_exactly(lora_run, base):
   # the LoRA train step's loss (the merge inside the wrapped objective) is the base model's, bit for bit
   assert float(lora_run["history"][0]["loss"]) == float(base_loss / base_weight)
   assert float(lora_run["history"][1]["loss"]) != float(lora_run["history"][0]["loss"])
+
+
+def test_lora_adapters_run_in_the_model_like_merged_weights_and_dropout_is_seeded_by_the_batch(lora_run, base):
+  """After two steps (B ≠ 0): x·W + x·A·(sB) in the model equals the loss on W + sA·B within float32 rounding;
+  with dropout 0.5 the loss moves, the same batch draws the same masks and another batch other masks."""
+  exp, state = lora_run["exp"], lora_run["state"]
+  with exp.context():
+    batches = [exp.global_batch(batch_of(exp, i)) for i in (0, 1)]
+    in_model = jax.jit(exp.objective.loss)(state.params, batches[0], exp.frozen)
+    merged = jax.jit(exp.model_objective.loss)(lora.merge(base[1], state.params, LORA.scale), batches[0], {})
+    np.testing.assert_allclose(float(in_model[0]), float(merged[0]), rtol=2e-6)
+    assert float(in_model[0]) != float(exp.model_objective.loss(base[1], batches[0], {})[0])  # adapters act
+    model = model_lib.GPT(dataclasses.replace(exp.model_config, lora_dropout=0.5))
+    dropped = dataclasses.replace(exp.objective, dropout=0.5,
+                                  inner=dataclasses.replace(exp.model_objective, apply_fn=model.apply))
+    loss = jax.jit(dropped.loss)
+    first, again = loss(state.params, batches[0], exp.frozen), loss(state.params, batches[0], exp.frozen)
+    assert float(first[0]) == float(again[0]) and abs(float(first[0]) - float(in_model[0])) > 1e-4
+    keys = [jax.random.key_data(lora.dropout_key(b)) for b in batches]
+    assert not np.array_equal(np.asarray(keys[0]), np.asarray(keys[1]))
+    # with B = 0 (the first step) dropout cannot move the base model's loss
+    np.testing.assert_array_equal(np.asarray(loss(lora_run["initial"].params, batches[0], exp.frozen)[0]),
+                                  np.asarray(exp.model_objective.loss(base[1], batches[0], {})[0]))
 
 
 def test_lora_trains_only_the_adapters_and_never_moves_the_base(lora_run, base):

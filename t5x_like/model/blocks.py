@@ -21,7 +21,8 @@ class Attention(nn.Module):
   def __call__(self, x, mask, positions=None, cache=None, cache_index=None):
     cfg = self.config
     d, h, kvh, dh = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_dim
-    dense = functools.partial(layers.DenseGeneral, dtype=cfg.compute_dtype, use_bias=cfg.use_bias)
+    dense = functools.partial(layers.DenseGeneral, dtype=cfg.compute_dtype, use_bias=cfg.use_bias,
+                              lora_dropout=cfg.lora_dropout)
     if cfg.fused_qkv:
       qkv = dense((d,), (3, h, dh), (ax.EMBED, None, ax.HEADS, ax.KV), (None, ax.HEADS, ax.KV), name="qkv")(x)
       qkv = layers.constrain(qkv, (ax.BATCH, ax.LENGTH, None, ax.ACT_HEADS, ax.KV))  # (B, T, 3, H, Dh)
@@ -66,7 +67,8 @@ class Block(nn.Module):
     """Returns (x, new cache or None, the MoE layer's (per-token stats, load) or None)."""
     cfg = self.config
     norm = functools.partial(layers.norm_layer(cfg.norm), dtype=cfg.compute_dtype, epsilon=cfg.layer_norm_epsilon)
-    dense = functools.partial(layers.DenseGeneral, dtype=cfg.compute_dtype, use_bias=cfg.use_bias)
+    dense = functools.partial(layers.DenseGeneral, dtype=cfg.compute_dtype, use_bias=cfg.use_bias,
+                              lora_dropout=cfg.lora_dropout)
     act_names = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
     x = layers.constrain(x, act_names)
     attn, new_cache = Attention(cfg, name="attn")(norm(name="ln_1")(x), mask, positions, cache, cache_index)
@@ -126,12 +128,13 @@ def remat_policy(name: str):
 
 
 def unit_fn(config: GPTConfig):
-  """A pure function (unit_params, x, mask, positions) → (x, MoE (token stats, load) or None) applying one stacked
-  element (unit_module), rematerialised per the config."""
+  """A pure function (unit_params, x, mask, positions, rng=None) → (x, MoE (token stats, load) or None) applying one
+  stacked element (unit_module), rematerialised per the config; `rng` seeds LoRA dropout (GPTConfig.lora_dropout)."""
   unit = unit_module(config)
 
-  def apply(params, x, mask, positions):
-    out, _, stats = unit.apply({"params": params}, x, mask, positions)
+  def apply(params, x, mask, positions, rng=None):
+    rngs = None if rng is None else {"lora_dropout": rng}
+    out, _, stats = unit.apply({"params": params}, x, mask, positions, rngs=rngs)
     return out, stats
 
   if config.remat_policy == "none":
@@ -145,25 +148,27 @@ def block_fn(config: GPTConfig):
   return lambda params, x, mask, positions: fn(params, x, mask, positions)[0]
 
 
-def run_blocks(config: GPTConfig, stacked_params, x, mask, positions, token_stats=None):
+def run_blocks(config: GPTConfig, stacked_params, x, mask, positions, token_stats=None, rng=None):
   """Runs the stacked blocks (leading LAYERS axis) in order with lax.scan. x: (B, T, D); positions (B, T).
 
   Returns (x, None) for a dense model; with experts (x, moe.MoeStats): per-token statistics summed over the
   layers (added to `token_stats` when given, as a pipeline stage continues its predecessor's) and the expert
-  load of each MoE layer.
+  load of each MoE layer. `rng` (optional) is split into one LoRA-dropout key per stacked element.
   """
   fn = unit_fn(config)
+  keys = None if rng is None else jax.random.split(rng, jax.tree.leaves(stacked_params)[0].shape[0])
   if not config.num_experts:
-    return jax.lax.scan(lambda h, params: (fn(params, h, mask, positions)[0], None), x, stacked_params)[0], None
+    return jax.lax.scan(lambda h, xs: (fn(xs[0], h, mask, positions, xs[1])[0], None), x,
+                        (stacked_params, keys))[0], None
   if token_stats is None:
     token_stats = jnp.zeros(x.shape[:2] + (len(moe.TOKEN_STATS),), jnp.float32)
 
-  def body(carry, params):
+  def body(carry, xs):
     h, acc = carry
-    h, (token, load) = fn(params, h, mask, positions)
+    h, (token, load) = fn(xs[0], h, mask, positions, xs[1])
     return (h, acc + token), load
 
-  (x, token_stats), loads = jax.lax.scan(body, (x, token_stats), stacked_params)
+  (x, token_stats), loads = jax.lax.scan(body, (x, token_stats), (stacked_params, keys))
   return x, moe.MoeStats(token=token_stats, load=loads)
 
 

@@ -56,7 +56,10 @@ class GPT(nn.Module):
                              nn.with_logical_partitioning(layers._INIT, (ax.POSITION, ax.EMBED)),
                              (cfg.max_len, cfg.d_model), jnp.float32)
       x = x + layers.lookup(pos_table, positions, ax.POSITION)
-    blocks = self.param("blocks", lambda r: init_stacked_blocks(cfg, r, cfg.num_layers))
+    if self.has_variable("params", "blocks"):  # read as given: it may carry LoRA adapters beside its kernels
+      blocks = nn.meta.unbox(self.get_variable("params", "blocks"))
+    else:
+      blocks = self.param("blocks", lambda r: init_stacked_blocks(cfg, r, cfg.num_layers))
     x = layers.constrain(x.astype(cfg.compute_dtype), (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))  # (B, T, D)
     new_cache = moe_stats = None
     if cache is not None:
@@ -64,7 +67,8 @@ class GPT(nn.Module):
     elif cfg.num_stages > 1 and not self.is_initializing():  # init only needs shapes: run sequentially
       x, moe_stats = pipeline_parallel.run_pipeline_blocks(cfg, blocks, x, segment_ids, positions)
     else:
-      x, moe_stats = run_blocks(cfg, blocks, x, layers.causal_segment_mask(segment_ids), positions)
+      lora_rng = self.make_rng("lora_dropout") if cfg.lora_dropout and self.has_rng("lora_dropout") else None
+      x, moe_stats = run_blocks(cfg, blocks, x, layers.causal_segment_mask(segment_ids), positions, rng=lora_rng)
     if moe_stats is not None and not self.is_initializing():  # kept when "intermediates" is mutable
       self.sow("intermediates", MOE_STATS, moe_stats)
     x = layers.norm_layer(cfg.norm)(dtype=cfg.compute_dtype, epsilon=cfg.layer_norm_epsilon, name="ln_f")(x)

@@ -43,15 +43,18 @@ def _block_param_names(config: GPTConfig):
 
 
 def stage_params(config: GPTConfig, stacked_params):
-  """(U, ...) stacked block parameters → (P, U/P, ...), stage axis constrained to STAGE's mesh axis."""
+  """(U, ...) stacked block parameters → (P, U/P, ...), stage axis constrained to STAGE's mesh axis.
+
+  Leaves the model does not declare (LoRA adapters beside a kernel) keep their own layout past the stage axis."""
   p = config.num_stages
-  names = _block_param_names(config)
+  names = {path: leaf for path, leaf in jax.tree_util.tree_leaves_with_path(
+      _block_param_names(config), is_leaf=lambda x: isinstance(x, tuple))}
 
-  def split(w, leaf_names):
+  def split(path, w):
     w = w.reshape((p, w.shape[0] // p) + w.shape[1:])
-    return layers.constrain(w, (ax.STAGE, None) + leaf_names)
+    return layers.constrain(w, (ax.STAGE, None) + names.get(path, (None,) * (w.ndim - 2)))
 
-  return jax.tree.map(split, stacked_params, names, is_leaf=lambda x: isinstance(x, tuple))
+  return jax.tree_util.tree_map_with_path(split, stacked_params)
 
 
 def _stage_axis_name():

@@ -68,7 +68,7 @@ class LoraConfig:
   """Low-rank adapters (training/lora.py): W + (alpha/rank)·A·B on each target kernel, the base frozen."""
   rank: int = 0  # adapter rank r; 0 = no LoRA (full or selective fine-tuning)
   alpha: float = 16.0  # the adapters' update is scaled by alpha / rank
-  dropout: float = 0.0  # must be 0: adapters are merged into the weights, where input dropout has no place
+  dropout: float = 0.0  # dropout on the adapters' input (the decoder blocks' projections), as in PEFT's lora_dropout
   targets: str = LORA_TARGETS  # regex (re.fullmatch) over parameter paths of the kernels that get adapters
 
   def __post_init__(self):
@@ -76,10 +76,8 @@ class LoraConfig:
       raise ValueError(f"LoraConfig.rank must be >= 0 (0 = no LoRA), got {self.rank}")
     if self.rank and self.alpha <= 0:
       raise ValueError(f"LoraConfig.alpha must be > 0, got {self.alpha}")
-    if self.dropout:
-      raise ValueError(f"LoraConfig.dropout={self.dropout} is not supported: the adapters are merged into the "
-                       "weights (W + alpha/rank·A·B) before the forward pass, where dropout on a layer's input "
-                       "cannot be expressed; set it to 0")
+    if not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f"LoraConfig.dropout={self.dropout} must be in [0, 1)")
 
   @property
   def scale(self) -> float:

@@ -90,6 +90,9 @@ class Experiment:
     self.manifest = input_pipeline.load_manifest(config.data_dir) if config.data_dir else None
     self.mesh = mesh_lib.create_mesh(config.mesh_shape)
     self.model_config = resolve_model_config(model_config, self.manifest, self.mesh, config.seq_len)
+    if config.lora.rank and config.lora.dropout:  # the blocks' projections apply it to their adapters' input
+      self.model_config = dataclasses.replace(self.model_config, lora_dropout=config.lora.dropout)
+      self.model_config.validate()
     validate_layout(config, self.mesh, self.model_config)  # before anything compiles
     self.rules = tuple(config.axis_rules or partitioning.DEFAULT_RULES)
     self.model = model_lib.GPT(self.model_config)

@@ -2,9 +2,15 @@
 
 For a target kernel W of shape (L?, in..., out...) (the stacked-layer axis L kept when it has one) the
 adapters are A (L?, in..., r), small random, and B (L?, r, out...), zero, so the first step runs the
-base model exactly. The objective evaluates its inner objective on the merged weights
+base model exactly. The decoder blocks' projections (qkv / query / key_value / out / mlp_*) run their
+adapters inside the model, beside the frozen kernel:
 
-    W' = W + (alpha / r) · A·B      (contracting r only; the in and out axes are W's own)
+    y = x·W + dropout(x)·A·((alpha / r)·B)
+
+so no merged weight is built, W gets no gradient, and `dropout` (PEFT's lora_dropout) applies to the
+adapters' input; its masks are seeded by each (micro)batch's tokens, so a resumed run draws the same.
+Other targets (an embedding table, lm_head) are merged, W' = W + (alpha / r)·A·B, as are all adapters
+for sampling, evaluation and `merge_checkpoint`.
 
 The TrainState's params ARE the adapters (the only leaves with optimizer state); the base is a frozen
 model (`frozen[BASE]`, laid out like the model, never updated). Adapters carry logical axis names
@@ -20,6 +26,7 @@ Adapter trees mirror the base's paths: {'blocks': {'attn': {'qkv': {'kernel': {'
 """
 
 import dataclasses
+import functools
 import os
 import re
 import zlib
@@ -134,8 +141,8 @@ def adapter_pairs(adapters: Params) -> Dict[Tuple[str, ...], Tuple[Any, Any]]:
   return pairs
 
 
-def delta(a, b, kernel_shape: tuple, path: str = "") -> jax.Array:
-  """A·B (float32) contracting the rank axis only; its shape is `kernel_shape` (L?, in..., out...).
+def check_fits(a, b, kernel_shape: tuple, path: str = "") -> tuple:
+  """(leading layer axes, input axes) of A (L?, in..., r) and B (L?, r, out...) over a kernel (L?, in..., out...).
 
   Raises:
     ValueError: A and B do not fit the kernel (adapters of another base), naming `path`.
@@ -148,6 +155,16 @@ def delta(a, b, kernel_shape: tuple, path: str = "") -> jax.Array:
   if not fits:
     raise ValueError(f"{path}: adapters A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the base kernel "
                      f"{tuple(kernel_shape)} (adapters of another base model?)")
+  return lead, n_in
+
+
+def delta(a, b, kernel_shape: tuple, path: str = "") -> jax.Array:
+  """A·B (float32) contracting the rank axis only; its shape is `kernel_shape` (L?, in..., out...).
+
+  Raises:
+    ValueError: A and B do not fit the kernel (adapters of another base), naming `path`.
+  """
+  lead, n_in = check_fits(a, b, kernel_shape, path)
   letters = "abcdefghijklmnopqrstuvwxy"
   n_out = len(kernel_shape) - lead - n_in
   lead_s, in_s, out_s = letters[:lead], letters[lead:lead + n_in], letters[lead + n_in:lead + n_in + n_out]
@@ -170,7 +187,7 @@ def merge(base: Params, adapters: Params, scale: float,
     ValueError: an adapter names a kernel the base lacks, or does not fit its shape.
   """
   flat = flax.traverse_util.flatten_dict(base)
-  for path, (a, b) in adapter_pairs(adapters).items():
+  for path, (a, b) in (adapter_pairs(adapters) if adapters else {}).items():
     if path not in flat:
       raise ValueError(f"LoRA adapters for '{path_name(path)}', which the base model does not have")
     w = flat[path]
@@ -181,18 +198,63 @@ def merge(base: Params, adapters: Params, scale: float,
   return flax.traverse_util.unflatten_dict(flat)
 
 
+# The decoder blocks' projections (model.layers.DenseGeneral): their adapters run inside the model, beside
+# the kernel, as x·W + dropout(x)·A·(scale·B) — no merged weight, no gradient for W, LoRA dropout.
+IN_MODEL = ("qkv", "query", "key_value", "out", "mlp_gate", "mlp_in", "mlp_out")
+
+
+def runs_in_model(path: Tuple[str, ...]) -> bool:
+  return path[0] == "blocks" and path[-1] == "kernel" and path[-2] in IN_MODEL
+
+
+def attach(base: Params, adapters: Params, scale: float,
+           kernel_names: Optional[Mapping[str, tuple]] = None) -> Params:
+  """The base parameters with each block projection's adapters beside its kernel (`lora_a`, `lora_b` × scale),
+  for the model to apply; other targets (embedding tables, lm_head) are merged into their weights.
+
+  Raises:
+    ValueError: an adapter names a kernel the base lacks, or does not fit its shape.
+  """
+  pairs = adapter_pairs(adapters)
+  merged = merge(base, _subtree(adapters, [p for p in pairs if not runs_in_model(p)]), scale, kernel_names)
+  flat = flax.traverse_util.flatten_dict(merged)
+  for path, (a, b) in pairs.items():
+    if not runs_in_model(path):
+      continue
+    if path not in flat:
+      raise ValueError(f"LoRA adapters for '{path_name(path)}', which the base model does not have")
+    check_fits(a, b, tuple(flat[path].shape), path_name(path))
+    flat[path[:-1] + (A,)] = a
+    flat[path[:-1] + (B,)] = b * scale
+  return flax.traverse_util.unflatten_dict(flat)
+
+
+def _subtree(adapters: Params, kernels) -> Params:
+  flat = flax.traverse_util.flatten_dict(adapters)
+  return flax.traverse_util.unflatten_dict({k: v for k, v in flat.items() if k[:-1] in set(kernels)})
+
+
+def dropout_key(batch) -> jax.Array:
+  """The LoRA-dropout key of a (micro)batch: seeded by its tokens, so a resumed run draws the same masks."""
+  tokens = batch["inputs"].astype(jnp.uint32)
+  digest = jnp.sum(tokens * jnp.arange(1, tokens.shape[-1] + 1, dtype=jnp.uint32)[None], dtype=jnp.uint32)
+  return jax.random.fold_in(jax.random.key(0), digest)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraObjective:
-  """An objective over adapters: `inner` evaluated on the frozen base (frozen[BASE]) merged with them.
+  """An objective over adapters: `inner` evaluated on the frozen base (frozen[BASE]) with them attached.
 
   Attributes:
-    inner: the objective of the full model (e.g. LanguageModel).
+    inner: the objective of the full model (e.g. LanguageModel, whose `apply_fn` gets the dropout rng).
     scale: alpha / rank.
-    kernel_names: {kernel path name: logical axis names} of the adapted kernels (layout of the merge).
+    kernel_names: {kernel path name: logical axis names} of the adapted kernels (layout of a merge).
+    dropout: dropout rate on the adapters' input (block projections only).
   """
   inner: Any
   scale: float
   kernel_names: Mapping[str, tuple]
+  dropout: float = 0.0
 
   @property
   def features(self) -> tuple:
@@ -202,14 +264,21 @@ class LoraObjective:
     others = {name: tree for name, tree in frozen.items() if name != BASE}
     if BASE not in frozen:
       raise ValueError(f"the LoRA objective needs the base model's parameters as frozen['{BASE}']")
-    params = merge(frozen[BASE], adapters, self.scale, self.kernel_names)
-    return self.inner.loss(params, batch, others)
+    params = attach(frozen[BASE], adapters, self.scale, self.kernel_names)
+    inner = self.inner
+    if self.dropout:
+      inner = dataclasses.replace(inner, apply_fn=functools.partial(inner.apply_fn,
+                                                                    rngs={"lora_dropout": dropout_key(batch)}))
+    return inner.loss(params, batch, others)
 
 
 def objective(inner, boxed_params: Params, config: LoraConfig) -> LoraObjective:
   """`inner` wrapped for the adapters of `config.targets` over a base with these boxed parameters."""
   kernels = target_kernels(boxed_params, config.targets)
-  return LoraObjective(inner=inner, scale=config.scale,
+  if config.dropout and not hasattr(inner, "apply_fn"):
+    raise ValueError(f"LoraConfig.dropout={config.dropout} needs an objective that runs the model through "
+                     f"`apply_fn`; {type(inner).__name__} does not")
+  return LoraObjective(inner=inner, scale=config.scale, dropout=config.dropout,
                        kernel_names={path_name(p): _names(leaf) for p, leaf in kernels.items()})
 
 
