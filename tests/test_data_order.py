@@ -160,13 +160,14 @@ def test_order_repeats_each_epoch(dirs, length_epoch):
 
 
 def test_iterator_restore_gives_the_identical_continuation(dirs, tmp_path):
-  """Two streams zipped as the trainer does (process_rows), saved after 3 batches, restored in a fresh one."""
+  """Two streams zipped as the trainer does (process_rows), with a local window, saved after 3 batches,
+  restored in a fresh one."""
   d, _ = dirs["field:difficulty"]
 
   def make():
     def stream(stream_index, num_streams, batch_size):
       return ip.make_dataset(d, "train", batch_size=batch_size, seq_len=SEQ, shuffle=True, repeat=True,
-                             process_index=stream_index, process_count=num_streams)
+                             process_index=stream_index, process_count=num_streams, order_window=4)
     return iter(global_batch.process_rows(stream, num_streams=2, global_batch_size=4, process_index=0,
                                           process_count=1))
   it = make()
