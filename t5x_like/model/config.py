@@ -166,13 +166,14 @@ class GPTConfig:
   def sharded_dims(self) -> tuple:
     """The widths the rules table shards, with the logical axis that splits each (parallel.layout.check)."""
     return (layout.Dim("GPTConfig.num_heads", self.num_heads, ax.HEADS),
-            layout.Dim("GPTConfig.num_kv_heads", self.kv_heads, ax.KV_HEADS),
             layout.Dim("GPTConfig.d_ff", self.d_ff, ax.MLP),
             layout.Dim("GPTConfig.vocab_size", self.vocab_size, ax.VOCAB),
             layout.Dim("GPTConfig.d_model", self.d_model, ax.EMBED),
             layout.Dim(self._layers_key, self.num_units, ax.LAYERS)) + (
                 (layout.Dim("GPTConfig.num_experts", self.num_experts, ax.EXPERT),
-                 layout.Dim("GPTConfig.moe_d_ff", self.expert_d_ff, ax.MLP)) if self.num_experts else ())
+                 layout.Dim("GPTConfig.moe_d_ff", self.expert_d_ff, ax.MLP)) if self.num_experts else ()) + (
+                # grouped-query key/value heads (a multi-head model has none apart from its heads)
+                (layout.Dim("GPTConfig.num_kv_heads", self.kv_heads, ax.KV_HEADS),) if not self.fused_qkv else ())
 
 
 def _has_host_offload() -> bool:

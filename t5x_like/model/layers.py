@@ -136,6 +136,10 @@ def reference_attention(q, k, v, mask):
   reads key/value head h // (H/K)); mask: (B, 1, L, S) bool. Softmax in float32."""
   b, length, h, depth = q.shape
   groups = h // k.shape[2]
+  if groups == 1:  # multi-head: one einsum per product, no group axis
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    logits = jnp.where(mask, logits / jnp.sqrt(depth).astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
   q = q.reshape(b, length, k.shape[2], groups, depth)
   logits = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
   logits = logits / jnp.sqrt(depth).astype(jnp.float32)
