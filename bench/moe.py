@@ -7,9 +7,10 @@ the all-to-all share of an expert-parallel step.
 
 speed: gpt_tiny (dense) and moe_tiny (8 experts of d_ff 256, top-2: the same 512 hidden units per token) at
 the same batch and sequence; the train step jitted as the trainer does (sharded, donated state) on one device,
-timed over --steps steps. Then on an `expert` mesh of --devices devices: the step time, the all-to-alls in
-the compiled step (counted in its HLO) and one all-to-all of the dispatched tokens timed alone; share =
-count × that time / step time. On a CPU the "devices" are threads of one process, so the all-to-all is a
+timed over --steps steps. Then on an `expert` mesh of --devices devices: the step time, the all-to-all ops in
+the compiled step's HLO (those inside the layer scan run once per layer), and one all-to-all of the dispatched
+tokens timed alone; share = 4 per MoE layer (dispatch, combine and their transposes in the backward pass, as
+the HLO of one layer's forward + backward has) × that time / step time. On a CPU the "devices" are threads of one process, so the all-to-all is a
 memory copy; on accelerators the planner's `expert` term (docs/moe.md) models the link.
 
 quality: `python -m t5x_like.train` of configs/experiments/pystdlib_demo.gin as it is (gpt_tiny), and again
@@ -129,7 +130,7 @@ def speed(args) -> None:
   print(f"device: {jax.devices()[0].device_kind} × {len(jax.devices())}; batch {args.batch} × seq {args.seq}, "
         f"{args.dtype}, {args.steps} timed steps")
   print("| model | params | active | train GFLOP/step (model) | hardware GFLOP/step | mesh | step s | tokens/s |"
-        " all-to-alls | all-to-all share |")
+        " all-to-all ops in HLO | all-to-all share |")
   print("|---|---|---|---|---|---|---|---|---|---|")
   tokens = args.batch * args.seq
   rows = [("gpt_tiny", dense, {"data": 1}), ("moe_tiny", sparse, {"data": 1})]
@@ -142,7 +143,8 @@ def speed(args) -> None:
     share = "-"
     if r["all_to_alls"]:
       one = all_to_all_seconds(cfg, mesh_shape, args.batch, args.seq)
-      share = f"{r['all_to_alls'] * one / r['step_seconds']:.1%} ({r['all_to_alls']} × {one * 1e3:.2f} ms)"
+      executed = 4 * cfg.num_moe_layers
+      share = f"{executed * one / r['step_seconds']:.1%} ({executed} × {one * 1e3:.2f} ms)"
     mesh = "×".join(f"{k} {v}" for k, v in mesh_shape.items())
     print(f"| {name} | {model_lib.count_params(cfg) / 1e6:.2f}M | {flops.active_params(cfg) / 1e6:.2f}M | "
           f"{flops.train_flops_per_token(cfg, args.seq) * tokens / 1e9:.1f} | "
@@ -165,10 +167,14 @@ def quality(args) -> None:
             f"--gin.SEED={args.seed}", f"--gin.data.DataConfig.eval_batches={args.eval_batches}",
             "--gin.data.DataConfig.report_unigram_baseline=False"]
   results = {}
-  for name, extra in (("gpt_tiny (dense)", []), ("moe_tiny (8 experts, top-2)", ["configs/models/moe_tiny.gin"])):
-    model_dir = os.path.join(out, name.split()[0])
+  moe_name = "moe_tiny (8 experts, top-2" + "".join(f", {b}" for b in args.moe_gin) + ")"
+  runs = {"dense": ("gpt_tiny (dense)", [], []),
+          "moe": (moe_name, ["configs/models/moe_tiny.gin"], [f"--gin.{b}" for b in args.moe_gin])}
+  for key in args.models.split(","):
+    name, files, bindings = runs[key]
+    model_dir = os.path.join(out, key)
     cmd = [sys.executable, "-m", "t5x_like.train", "--gin_file=configs/experiments/pystdlib_demo.gin",
-           *[f"--gin_file={f}" for f in extra], f"--gin.MODEL_DIR='{model_dir}'", *common]
+           *[f"--gin_file={f}" for f in files], f"--gin.MODEL_DIR='{model_dir}'", *common, *bindings]
     start = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     results[name] = {**final_eval(model_dir), "wall_seconds": time.perf_counter() - start}
@@ -180,9 +186,9 @@ def quality(args) -> None:
     ce = r.get("eval/cross_entropy", r["eval/loss"])
     print(f"| {name} | {r['eval/loss']:.4f} | {ce:.4f} | {np.exp(ce):.2f} | {r['train_loss']:.4f} | "
           f"{r['step_seconds'] or float('nan'):.3f} | {r['wall_seconds']:.0f} |")
-  moe_run = results["moe_tiny (8 experts, top-2)"]
-  print("MoE routing at the end: " + ", ".join(f"{k.removeprefix('eval/moe/')} {v:.4f}" for k, v in moe_run.items()
-                                               if k.startswith("eval/moe/")))
+  if moe_name in results:
+    print("MoE routing at the end: " + ", ".join(f"{k.removeprefix('eval/moe/')} {v:.4f}"
+                                                 for k, v in results[moe_name].items() if k.startswith("eval/moe/")))
 
 
 def main():
@@ -197,6 +203,9 @@ def main():
   parser.add_argument("--output_dir", default="", help="quality: where the two runs go (default: a temp dir)")
   parser.add_argument("--eval_batches", type=int, default=20, help="quality: validation batches per evaluation")
   parser.add_argument("--seed", type=int, default=0, help="quality: SEED of both runs")
+  parser.add_argument("--models", default="dense,moe", help="quality: which runs (dense, moe)")
+  parser.add_argument("--moe_gin", action="append", default=[],
+                      help="quality: extra binding of the MoE run, e.g. model.GPTConfig.moe_dropless=True")
   args = parser.parse_args()
   if args.what == "speed":
     args.steps = args.steps or 5
