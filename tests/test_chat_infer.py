@@ -1,7 +1,6 @@
 """Chat inference and evaluation by generation: `infer --chat` answers as `decoding.generate` does, exact match of a
 model whose answers are known, the reference loss against the input pipeline's, and bad lines named by file:line."""
 
-import dataclasses
 import json
 import os
 import re
@@ -30,9 +29,9 @@ from t5x_like.training import optimizer as optimizer_lib
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = model_lib.GPTConfig(num_layers=1, num_heads=2, d_model=32, d_ff=64, max_len=64, dtype="float32",
                            tie_embeddings=False)
-CLI_MODEL = ["--gin.model.GPTConfig.num_layers=1", "--gin.model.GPTConfig.num_heads=2", "--gin.model.GPTConfig.d_model=32",
-             "--gin.model.GPTConfig.d_ff=64", "--gin.model.GPTConfig.max_len=64", "--gin.model.GPTConfig.dtype='float32'",
-             "--gin.model.GPTConfig.tie_embeddings=False", "--gin.SEQ_LEN=56", "--gin.BATCH_SIZE=8"]
+CLI_MODEL = [f"--gin.model.GPTConfig.{k}={v}" for k, v in dict(
+    num_layers=1, num_heads=2, d_model=32, d_ff=64, max_len=64, dtype="'float32'", tie_embeddings=False).items()]
+CLI_MODEL += ["--gin.SEQ_LEN=56", "--gin.BATCH_SIZE=8"]
 ANSWER = "path self"  # what the `answering` model says to anything
 RIGHT = [{"prompt": "reverse: self path", "completion": ANSWER},
          {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "reverse: self path"},
@@ -115,8 +114,9 @@ def test_infer_chat_writes_the_answers_decoding_generate_gives(setup, tmp_path):
   assert prompts[2] == doc.ids[:doc.turn_ends[-2] + 1].tolist() and prompts[2][-1] == encoder.marker_ids["assistant"]
   with setup["exp"].context():
     tokens, segments = decoding.left_pad(prompts, tok.pad_id)
-    want = np.asarray(decoding.generate(setup["random"], tokens, segments, jax.random.key(0), config=setup["exp"].model_config,
-                                        max_new_tokens=6, eos_id=encoder.marker_ids["end"], pad_id=tok.pad_id))
+    want = np.asarray(decoding.generate(setup["random"], tokens, segments, jax.random.key(0),
+                                        config=setup["exp"].model_config, max_new_tokens=6,
+                                        eos_id=encoder.marker_ids["end"], pad_id=tok.pad_id))
   stops = (encoder.marker_ids["end"], tok.eos_id)
   texts = [tok.decode([int(t) for t in row[:next((i for i, t in enumerate(row) if t in stops), len(row))]])
            for row in want]
@@ -214,11 +214,6 @@ def test_evaluate_generate_cli_reports_exact_match_and_writes_json(setup, tmp_pa
               "generate/tokens", "generate/max_new_tokens"):
     assert report[key] == want[key], key
   np.testing.assert_allclose(report["generate/loss"], want["generate/loss"], rtol=1e-5)
-  bad = tmp_path / "bad.jsonl"
-  bad.write_text(json.dumps(RIGHT[0]) + "\n" + json.dumps({"prompt": "no answer"}) + "\n")
-  result = run_cli("t5x_like.evaluate", "--generate", f"--prompt_file={bad}", f"--gin.MODEL_DIR='{setup['root'] / 'answering'}'",
-                   f"--gin.DATA_DIR='{setup['data_dir']}'")
-  assert result.returncode == 1 and result.stderr.strip().splitlines()[-1].startswith(f"error: {bad}:2: no reference")
 
 
 @pytest.mark.parametrize("line, message", [
@@ -249,6 +244,6 @@ def test_evaluate_needs_a_reference_and_a_template_that_matches_the_data_dir(set
                                        r"written with \(field: \(bound, written\)\) \{'separator': \('', '\\n'\)\}"):
     chat_eval.template_for(exp.manifest, "d", bound)
   assert chat_eval.template_for(None, "", bound) == bound  # no chat DATA_DIR: the bound template
-  with pytest.raises(ValueError, match=rf"{re.escape(path)}:1: prompt \+ max_new_tokens is 13 \+ 60 = 73 tokens, more than "
-                                       r"the model's max_len=64"):
+  with pytest.raises(ValueError, match=rf"{re.escape(path)}:1: prompt \+ max_new_tokens is 13 \+ 60 = 73 tokens, "
+                                       r"more than the model's max_len=64"):
     chat_eval.check_fits(chat_eval.read_chat_lines(path), [13, 5], 60, 64, "prompt + max_new_tokens")
