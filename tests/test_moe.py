@@ -1,10 +1,11 @@
-"""Mixture of experts: every expert-parallel layout trains like one device (with and without dropped tokens);
+"""Mixture of experts: expert-parallel layouts train like one device (with and without dropped tokens);
 routing does what it says (a router forced to one expert is that expert's dense MLP, dropped tokens pass through
 the residual, the auxiliary losses equal a NumPy reference); the dispatch is an all-to-all; KV-cache decoding;
 metrics reach metrics.jsonl and Prometheus; parameter and FLOP counts of a Mixtral-8x7B shape; bad configs.
 
-Equivalence tolerances are test_parallelism's (3 AdamW steps, float32). Routing decisions are discrete, so a
-layout that changed a single top-k choice or capacity drop would move the loss by far more than rtol 1e-5.
+Equivalence tolerances are test_parallelism's (3 AdamW steps, float32). Routing decisions are discrete: a layout
+that changed one top-k choice or capacity drop would change some expert's gradient, which AdamW turns into a
+step of about lr = 1e-3 on its weights, far above the 2e-6 parameter tolerance.
 """
 
 import dataclasses
@@ -43,15 +44,15 @@ MOE = dataclasses.replace(test_parallelism.CFG, num_layers=2, num_heads=4, d_mod
 DROPLESS = dataclasses.replace(MOE, moe_dropless=True)
 GROUPED = dataclasses.replace(MOE, num_layers=4, moe_every=2)  # layers 1 and 3 MoE: 2 stacked (dense, MoE) pairs
 
+# Each layout is one more ~15 s compile on 2 cores, so the file keeps four: expert 2 with fsdp and tensor (fast
+# subset), expert 8 (dropping), expert 4 with data (dropless), and expert 2 under pipeline × tensor with
+# accumulation and remat (moe_every = 2). Every other expert × data/fsdp/tensor layout passed when written.
 LAYOUTS = {
     "fsdp2_expert2_tensor2": dict(mesh_shape={"fsdp": 2, "expert": 2, "tensor": 2}),
     "expert8": dict(mesh_shape={"expert": 8}),
     "data2_expert4": dict(mesh_shape={"data": 2, "expert": 4}),
-    "fsdp4_expert2": dict(mesh_shape={"fsdp": 4, "expert": 2}),
-    "data2_fsdp2_expert2": dict(mesh_shape={"data": 2, "fsdp": 2, "expert": 2}),
-    "expert4_tensor2": dict(mesh_shape={"expert": 4, "tensor": 2}),
 }
-FAST_LAYOUTS = ("fsdp2_expert2_tensor2",)  # the full suite (CI) runs every layout
+FAST_LAYOUTS = ("fsdp2_expert2_tensor2",)  # the full suite (CI) runs the others too
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def dropless_reference(initial_state):
 
 
 @pytest.mark.parametrize("layout", [l if l in FAST_LAYOUTS else pytest.param(l, marks=pytest.mark.slow)
-                                    for l in LAYOUTS])
+                                    for l in ("fsdp2_expert2_tensor2", "expert8")])
 def test_expert_layout_trains_like_one_device(layout, initial_state, reference):
   """Tokens dropped at capacity (the same ones on every layout), experts split over `expert`."""
   result = test_parallelism.train(initial_state, **LAYOUTS[layout], base=MOE)
@@ -78,9 +79,8 @@ def test_expert_layout_trains_like_one_device(layout, initial_state, reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["expert8", "data2_fsdp2_expert2"])
-def test_dropless_expert_layout_trains_like_one_device(layout, initial_state, dropless_reference):
-  result = test_parallelism.train(initial_state, **LAYOUTS[layout], base=DROPLESS)
+def test_dropless_expert_layout_trains_like_one_device(initial_state, dropless_reference):
+  result = test_parallelism.train(initial_state, **LAYOUTS["data2_expert4"], base=DROPLESS)
   test_parallelism.assert_same_training(result, dropless_reference)
 
 
@@ -125,8 +125,8 @@ def test_expert_axis_dispatches_with_all_to_all():
 
 def _block_params(cfg, moe_layer: bool, seed: int = 0):
   block = blocks.Block(cfg, moe=moe_layer)
-  init = block.init(jax.random.key(seed), jnp.zeros((1, 1, cfg.d_model)), jnp.ones((1, 1, 1, 1), jnp.bool_),
-                    jnp.zeros((1, 1), jnp.int32))
+  init = jax.jit(lambda: block.init(jax.random.key(seed), jnp.zeros((1, 1, cfg.d_model)),
+                                    jnp.ones((1, 1, 1, 1), jnp.bool_), jnp.zeros((1, 1), jnp.int32)))()
   return partitioning.unbox(init["params"])
 
 
@@ -239,12 +239,12 @@ def test_routing_and_auxiliary_losses_equal_a_numpy_reference(top_k, capacity):
   assert want[2][..., 2].sum() > 0 if capacity < 12 else want[2][..., 2].sum() == 0  # drops iff capacity binds
 
 
-def test_objective_adds_the_weighted_auxiliary_losses_and_reports_them():
+def test_objective_adds_the_weighted_auxiliary_losses_and_reports_them(initial_state):
   """loss = cross-entropy + lb_weight · load-balancing + z_weight · z-loss, each a token-weighted mean over
   tokens and MoE layers; equal to moe_sums of the sown statistics, whose terms equal a NumPy reference."""
   cfg = dataclasses.replace(MOE, moe_load_balancing_weight=0.1, moe_router_z_weight=0.01)
   batch = test_parallelism.synthetic_batch()
-  params = partitioning.unbox(model_lib.GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
+  params = initial_state.params  # MOE's, initialised once for the layout tests
   objective = language_model.LanguageModel(model_lib.GPT(cfg).apply)
   loss_sum, weight_sum, m = jax.jit(objective.loss)(params, batch)
   lb, z = float(m["moe/load_balancing_loss"]), float(m["moe/router_z_loss"])
@@ -296,7 +296,8 @@ def test_kv_cache_decoding_of_moe_groups_equals_recompute():
   """moe_every = 2 (a (dense, MoE) pair per stacked element, the cache split per layer): cached greedy decoding
   of the capacity-limited model gives the tokens of re-running the whole sequence without a capacity limit
   (decoding routes dropless: the 5-token prompt would otherwise have 2 slots per expert)."""
-  params = partitioning.unbox(model_lib.GPT(GROUPED).init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))["params"])
+  init = jax.jit(lambda: model_lib.GPT(GROUPED).init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))["params"])
+  params = partitioning.unbox(init())
   assert set(params["blocks"]) == {"layer_0", "layer_1"} and "moe" in params["blocks"]["layer_1"]
   params = jax.tree.map(lambda w: 10 * w, params)  # a sharper model: dropped tokens would change its predictions
   prompts = np.random.RandomState(2).randint(1, GROUPED.vocab_size, (2, 5)).astype(np.int32)
