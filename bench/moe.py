@@ -10,8 +10,9 @@ the same batch and sequence; the train step jitted as the trainer does (sharded,
 timed over --steps steps. Then on an `expert` mesh of --devices devices: the step time, the all-to-all ops in
 the compiled step's HLO (those inside the layer scan run once per layer), and one all-to-all of the dispatched
 tokens timed alone; share = 4 per MoE layer (dispatch, combine and their transposes in the backward pass, as
-the HLO of one layer's forward + backward has) × that time / step time. On a CPU the "devices" are threads of one process, so the all-to-all is a
-memory copy; on accelerators the planner's `expert` term (docs/moe.md) models the link.
+the HLO of one layer's forward + backward has) × that time / step time. On a CPU the "devices" are threads
+of one process, so the all-to-all is a memory copy; on accelerators the planner's `expert` term
+(docs/moe.md) models the link.
 
 quality: `python -m t5x_like.train` of configs/experiments/pystdlib_demo.gin as it is (gpt_tiny), and again
 with configs/models/moe_tiny.gin on top, same data, seed, steps and learning rate; reads each run's
