@@ -98,3 +98,20 @@ def corpus(tmp_path_factory) -> str:
   preprocessing.preprocess([str(root / "raw" / "*.txt")], str(root / "ds"), vocab_size=400, num_train_shards=4,
                            validation_fraction=0.2, num_workers=1, progress=False, cache_dir=None)
   return str(root / "ds")
+
+
+def rewind(model_dir, to_dir, step: int) -> str:
+  """A copy of run `model_dir` as it was when checkpoint `step` was its newest: the later checkpoints, the
+  metrics and the event files left out. Resuming the copy and comparing with the original's later steps
+  tests exact resume with one training run fewer than "N steps, stop, resume" against "2N straight"."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  src, dst = str(model_dir), str(to_dir)
+
+  def skip(folder, names):
+    if os.path.basename(folder) == "checkpoints" and os.path.dirname(folder) == src:
+      return [n for n in names if not (n.isdigit() and int(n) <= step)]
+    return [n for n in names if folder == src and (n == "metrics.jsonl" or n.startswith("events.out"))]
+
+  shutil.copytree(src, dst, ignore=skip)
+  assert str(step) in os.listdir(os.path.join(dst, "checkpoints")), f"{src} has no checkpoint {step}"
+  return dst

@@ -193,8 +193,8 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, data_di
 def test_kill_9_at_random_steps_then_resume_is_bit_identical(reference_run, data_dir):
   base, reference = reference_run
   model_dir = str(base / "killed")
-  kill_steps = [random.Random(seed).randint(2, STEPS - 8) for seed in (1, 2, 3)]
-  for at in kill_steps:  # three kills (seeds 1..3) in one run: each relaunch resumes the previous
+  kill_steps = [random.Random(seed).randint(2, STEPS - 8) for seed in (1, 2)]
+  for at in kill_steps:  # two kills (seeds 1, 2) in one run: the second launch resumes the first
     code = _interrupt(model_dir, data_dir, base / "jax_cache", at, signal.SIGKILL)
     assert code == -signal.SIGKILL, f"the run ended ({code}) before step {at}"
   assert _launch(model_dir, data_dir, base / "jax_cache").wait(timeout=300) == 0

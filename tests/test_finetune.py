@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+from absl import logging as absl_logging
 import flax
 import flax.linen as nn
 import jax
@@ -19,6 +20,7 @@ import pytest
 from tests import conftest
 from tests import test_parallelism as layouts
 
+from t5x_like import checkpoints as checkpoints_cli
 from t5x_like import cli
 from t5x_like.model import decoder as model_lib
 from t5x_like.observe import metrics as metrics_lib
@@ -416,7 +418,8 @@ def _losses(model_dir) -> dict:
 
 
 @pytest.mark.slow  # end to end: launches the CLI three times (train, train again, merge)
-def test_lora_kill_9_then_resume_is_bit_identical_and_merges_through_the_cli(corpus, tmp_path):
+def test_lora_kill_9_then_resume_is_bit_identical_and_merges_through_the_cli(corpus, tmp_path, monkeypatch,
+                                                                                 capsys):
   exp = experiment_lib.Experiment(run_config("unused", corpus), dataclasses.replace(
       TINY, **{k.split(".")[-1]: v for k, v in CLI_TINY.items()}), OPT)
   base_dir = str(tmp_path / "base")
@@ -453,11 +456,16 @@ def test_lora_kill_9_then_resume_is_bit_identical_and_merges_through_the_cli(cor
   starts = [r for r in metrics_lib.read_metrics(killed) if "params/trainable" in r]
   assert [r["step"] for r in starts] == [0, min(replayed) - 1]
   assert starts[0]["params/trainable"] == lora.count(saved) and starts[0]["params/trainable_fraction"] < 0.1
-  merged = subprocess.run([sys.executable, "-m", "t5x_like.checkpoints", "merge_lora", killed,
-                           f"--output_dir={tmp_path / 'merged'}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, XLA_FLAGS=conftest.xla_flags(1)))
-  assert merged.returncode == 0, merged.stderr[-2000:]
-  assert f"into {tmp_path / 'merged'}/checkpoints/0" in merged.stdout
+  # the merge CLI, in this process (its flags parsed by absl as a launch would)
+  monkeypatch.setattr(sys, "argv", ["checkpoints", "merge_lora", killed, f"--output_dir={tmp_path / 'merged'}"])
+  verbosity = absl_logging.get_verbosity()
+  try:
+    with pytest.raises(SystemExit) as exit_info:
+      checkpoints_cli.run()
+  finally:
+    absl_logging.set_verbosity(verbosity)  # run() quiets absl for the CLI
+  assert exit_info.value.code in (None, 0), capsys.readouterr().err[-2000:]
+  assert f"into {tmp_path / 'merged'}/checkpoints/0" in capsys.readouterr().out
   merged_params = checkpointing.restore_params(str(tmp_path / "merged"))[1]
   expected = lora.merge(checkpointing.restore_params(base_dir)[1], saved, 4.0)  # finetune.gin's alpha 16 / rank 4
   for got, want in zip(jax.tree.leaves(merged_params), jax.tree.leaves(expected)):

@@ -122,7 +122,6 @@ def test_cli_reports_and_rejects_bad_input():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,batch", [
-    (memory_model.Layout(data=8), 16),
     (memory_model.Layout(fsdp=4, tensor=2, remat_policy="full"), 16),
     (memory_model.Layout(data=2, fsdp=2, tensor=2, num_microbatches=2, remat_policy="save_dots"), 32),
     (memory_model.Layout(data=4, tensor=2, remat_policy="save_attention_out"), 16),
