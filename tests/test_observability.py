@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from t5x_like import cli as cli_lib
+from t5x_like import plot
 from t5x_like.model import decoder as model_lib
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.data import preprocessing as preprocess
@@ -149,7 +151,7 @@ def test_profiler_writes_a_trace_under_model_dir_profile(run):
   assert len(traces) == 1 and os.path.getsize(traces[0]) > 0, traces
 
 
-def test_plot_writes_a_png_of_one_or_several_runs(run, tmp_path):
+def test_plot_writes_a_png_of_one_or_several_runs(run, tmp_path, monkeypatch, capsys):
   import matplotlib.image  # pylint: disable=g-import-not-at-top
   other = tmp_path / "other"
   other.mkdir()
@@ -157,7 +159,11 @@ def test_plot_writes_a_png_of_one_or_several_runs(run, tmp_path):
     for r in run["records"]:
       f.write(json.dumps({**r, **({"loss": r["loss"] + 0.5} if "loss" in r else {})}) + "\n")
   out = str(tmp_path / "curves.png")
-  assert cli("plot", run["model_dir"], str(other), f"--out={out}").strip() == out
+  monkeypatch.setattr(sys, "argv", ["plot", run["model_dir"], str(other), f"--out={out}"])  # the CLI, in-process
+  with pytest.raises(SystemExit) as exit_info:
+    cli_lib.run(plot.main)
+  assert exit_info.value.code in (None, 0)
+  assert capsys.readouterr().out.strip() == out
   with open(out, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   image = matplotlib.image.imread(out)
