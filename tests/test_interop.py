@@ -39,6 +39,7 @@ from t5x_like.training import trainer  # pylint: disable=g-import-not-at-top
 from t5x_like.training.config import LoraConfig  # pylint: disable=g-import-not-at-top
 from t5x_like.data import chat_synth  # pylint: disable=g-import-not-at-top
 from t5x_like.data import preprocessing  # pylint: disable=g-import-not-at-top
+from tests import conftest  # pylint: disable=g-import-not-at-top
 from tests import test_parallelism  # pylint: disable=g-import-not-at-top
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,6 +62,11 @@ MODELS = {
         max_position_embeddings=64, tie_word_embeddings=True,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 64})),
+    # 4 SwiGLU experts per layer, top-2, grouped-query; a sliding window spanning every position (= full causal)
+    "mixtral": (transformers.MixtralConfig, dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=2,
+                                                 max_position_embeddings=64, sliding_window=64, num_local_experts=4,
+                                                 num_experts_per_tok=2, router_aux_loss_coef=0.02)),
 }
 
 
@@ -144,7 +150,7 @@ def test_imported_logits_equal_transformers(name, hf_models, imported):
     assert f"model.GPTConfig.valid_vocab_size = {VOCAB}" in f.read()
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])  # learned positions; rope + grouped-query kv cache
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "mixtral"])  # learned positions; rope + GQA kv cache; MoE
 def test_greedy_generation_equals_transformers(name, hf_models, imported):
   _, config, params = imported[name]
   prompts = [[5, 17, 42, 9, 250, 33], [7, 260, 11]]  # left-padded to 6
@@ -292,10 +298,30 @@ def test_export_merges_a_lora_run_into_its_base(imported, tokenizer, tmp_path):
   assert transformers.AutoTokenizer.from_pretrained(out)(TEXT).input_ids == tokenizer(TEXT).input_ids
 
 
+def test_imported_mixtral_routes_like_transformers(imported):
+  """The config mapping of a Mixtral (the logits and export tests above run it like the other models): dropless
+  top-2 routing over 4 experts in every layer, HF's load-balancing coefficient scaled to our per-choice-averaged
+  loss, no router z-loss; to_hf writes the config back."""
+  model_dir, config, params = imported["mixtral"]
+  assert (config.num_experts, config.moe_top_k, config.moe_every, config.expert_d_ff) == (4, 2, 1, 48)
+  assert config.moe_dropless and config.moe_router_z_weight == 0.0 and not config.use_bias
+  assert config.moe_load_balancing_weight == pytest.approx(0.04)  # router_aux_loss_coef 0.02 × top_k 2
+  assert params["blocks"]["moe"]["mlp_gate"]["kernel"].shape == (2, 4, 32, 48)
+  with open(os.path.join(model_dir, "model.gin"), encoding="utf-8") as f:
+    assert "model.GPTConfig.moe_dropless = True" in f.read()
+  written = hf_config.to_hf(config)
+  assert written["router_aux_loss_coef"] == pytest.approx(0.02) and written["num_local_experts"] == 4
+  assert hf_config.from_hf(written, "x")[1] == dataclasses.replace(config, dtype="bfloat16")
+
+
 def test_export_refuses_models_no_hf_class_computes(imported):
   _, config, _ = imported["llama_gqa"]
-  with pytest.raises(ValueError, match="mixture-of-experts models do not export"):
+  with pytest.raises(ValueError, match=r"GPTConfig.use_bias=True: .* \(MixtralForCausalLM needs no biases\)"):
     hf_config.export_architecture(dataclasses.replace(config, num_experts=4))
+  mixtral = imported["mixtral"][1]
+  for key, value in (("moe_top_k", 1), ("moe_every", 2)):
+    with pytest.raises(ValueError, match=f"GPTConfig.{key}={value}: this mixture-of-experts model does not export"):
+      hf_config.export_architecture(dataclasses.replace(mixtral, **{key: value}))
   with pytest.raises(ValueError, match="no Hugging Face architecture computes this model"):
     hf_config.export_architecture(dataclasses.replace(config, position_embedding="learned"))
 
@@ -355,6 +381,15 @@ BAD = {
     "sliding_window": ("llama3_scaled", lambda d: _edit_config(d, sliding_window=16), "sliding_window=16"),
     "bias_mismatch": ("llama3_scaled", lambda d: _edit_config(d, attention_bias=True, mlp_bias=False),
                       "attention_bias=True but mlp_bias=False"),
+    "mixtral_top1": ("mixtral", lambda d: _edit_config(d, num_experts_per_tok=1),
+                     "num_experts_per_tok=1 is not supported"),
+    "mixtral_sliding_window": ("mixtral", lambda d: _edit_config(d, sliding_window=16),
+                               r"sliding_window=16 is not supported .*max_position_embeddings=64"),
+    "mixtral_missing_key": ("mixtral", lambda d: _edit_config(d, drop="num_local_experts"),
+                            "MixtralForCausalLM needs 'num_local_experts', which is missing"),
+    "mixtral_missing_expert": ("mixtral", lambda d: _edit_tensors(
+        d, lambda t: t.pop("model.layers.1.block_sparse_moe.experts.3.w2.weight")),
+                               "'model.layers.1.block_sparse_moe.experts.3.w2.weight' is missing"),
 }
 
 
@@ -415,10 +450,11 @@ def test_imported_llama_trains_on_every_kind_of_layout_like_one_device(layout, i
   test_parallelism.assert_same_training(result, reference, param_atol=5e-6)
 
 
-@pytest.mark.slow  # preprocesses a chat corpus and launches three short fine-tuning runs
+@pytest.mark.slow  # preprocesses a chat corpus and launches two short fine-tuning runs
 def test_imported_llama_fine_tunes_on_chat_data_and_resumes_bit_exactly(imported, tmp_path):
   """SFT of the imported Llama with its own Hugging Face tokenizer (INITIAL_CHECKPOINT_PATH = the converted
-  folder): the loss on the assistant tokens falls, and 3 steps + resume to 6 equals 6 straight steps."""
+  folder): the loss on the assistant tokens falls, and its step-3 checkpoint resumed to 6 equals 6 straight
+  steps."""
   model_dir, config, _ = imported["llama_gqa"]
   train_file, _ = chat_synth.write_synthetic_chat(str(tmp_path / "chat"), task="reverse", num_train=300,
                                                  num_test=10, seed=0)
@@ -437,8 +473,8 @@ def test_imported_llama_fine_tunes_on_chat_data_and_resumes_bit_exactly(imported
             if "loss" in r}
 
   straight = run(tmp_path / "straight", 6)
-  run(tmp_path / "resumed", 3)
-  assert run(tmp_path / "resumed", 6) == straight
+  resumed = run(conftest.rewind(tmp_path / "straight", tmp_path / "resumed", 3), 6)  # its step-3 checkpoint on
+  assert resumed == {step: straight[step] for step in (4, 5, 6)}
   assert straight[6] < straight[1] - 0.2, straight
   digests = [checkpointing.params_digest(checkpointing.restore_params(str(tmp_path / name))[1])
              for name in ("straight", "resumed")]

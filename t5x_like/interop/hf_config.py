@@ -1,4 +1,5 @@
-"""Hugging Face `config.json` ↔ GPTConfig for the GPT-2 and Llama families, refusing what we cannot represent."""
+"""Hugging Face `config.json` ↔ GPTConfig for the GPT-2, Llama and Mixtral families, refusing what we cannot
+represent."""
 
 import dataclasses
 import math
@@ -6,8 +7,8 @@ from typing import Optional
 
 from t5x_like.model.config import GPTConfig
 
-GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
-SUPPORTED = {GPT2: "gpt2", LLAMA: "llama"}  # architecture → model_type
+GPT2, LLAMA, MIXTRAL = "GPT2LMHeadModel", "LlamaForCausalLM", "MixtralForCausalLM"
+SUPPORTED = {GPT2: "gpt2", LLAMA: "llama", MIXTRAL: "mixtral"}  # architecture → model_type
 VOCAB_MULTIPLE = 128  # imported vocabularies are padded to a multiple of this, so the vocab axis shards
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both the tanh approximation our "gelu" computes
 ROPE_TYPES = ("default", "llama3")
@@ -19,6 +20,9 @@ MODEL_FIELDS = ("vocab_size", "valid_vocab_size", "max_len", "num_layers", "num_
                 "d_ff", "tie_embeddings", "use_bias", "norm", "layer_norm_epsilon", "mlp_activation",
                 "position_embedding", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
                 "rope_high_freq_factor", "rope_original_max_len")
+# ... and, for a mixture-of-experts model (num_experts > 0), these: the routing and the router's training losses.
+MOE_FIELDS = ("num_experts", "moe_top_k", "moe_every", "moe_d_ff", "moe_dropless", "moe_load_balancing_weight",
+              "moe_router_z_weight")
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -46,7 +50,7 @@ def from_hf(hf: dict, where: str) -> tuple:
   if hf.get("quantization_config"):
     raise ValueError(f"{where}: quantization_config is set: quantized checkpoints are not supported")
   try:
-    config = _from_gpt2(hf, where) if arch == GPT2 else _from_llama(hf, where)
+    config = {GPT2: _from_gpt2, LLAMA: _from_llama, MIXTRAL: _from_mixtral}[arch](hf, where)
   except KeyError as e:
     raise ValueError(f"{where}: {arch} needs {e.args[0]!r}, which is missing") from None
   vocab = config.vocab_size
@@ -90,9 +94,13 @@ def rope_settings(hf: dict, where: str) -> dict:
 
 def _from_llama(hf: dict, where: str) -> GPTConfig:
   _require(hf, "hidden_act", "silu", ("silu",), where, "the SwiGLU MLP gates with SiLU")
-  for key in ("sliding_window", "use_sliding_window"):
-    if hf.get(key):
-      raise ValueError(f"{where}: {key}={hf[key]!r} is not supported (attention is full causal)")
+  if hf.get("use_sliding_window"):
+    raise ValueError(f"{where}: use_sliding_window={hf['use_sliding_window']!r} is not supported (attention is "
+                     f"full causal)")
+  window, max_len = hf.get("sliding_window"), hf.get("max_position_embeddings", 2048)
+  if window and window < max_len:  # a window spanning every position is full causal attention
+    raise ValueError(f"{where}: sliding_window={window!r} is not supported (attention is full causal; a window "
+                     f"of at least max_position_embeddings={max_len} is)")
   attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
   if attention_bias != mlp_bias:
     raise ValueError(f"{where}: attention_bias={attention_bias} but mlp_bias={mlp_bias}: t5x_like has one "
@@ -103,7 +111,7 @@ def _from_llama(hf: dict, where: str) -> GPTConfig:
     raise ValueError(f"{where}: head_dim={head_dim} × num_attention_heads={heads} != hidden_size={d_model}: "
                      f"t5x_like's head_dim is d_model / num_heads")
   kv_heads = hf.get("num_key_value_heads") or heads
-  return GPTConfig(vocab_size=hf["vocab_size"], max_len=hf.get("max_position_embeddings", 2048),
+  return GPTConfig(vocab_size=hf["vocab_size"], max_len=max_len,
                    num_layers=hf["num_hidden_layers"], num_heads=heads, d_model=d_model,
                    d_ff=hf["intermediate_size"], tie_embeddings=hf.get("tie_word_embeddings", False),
                    layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), norm="rmsnorm", mlp_activation="swiglu",
@@ -111,11 +119,36 @@ def _from_llama(hf: dict, where: str) -> GPTConfig:
                    use_bias=attention_bias, **rope_settings(hf, where))
 
 
+def _from_mixtral(hf: dict, where: str) -> GPTConfig:
+  """Llama's attention, norms and positions; every layer's MLP is num_local_experts SwiGLU experts (no biases:
+  Mixtral has no attention_bias / mlp_bias), each token routed dropless to its num_experts_per_tok most
+  probable, as transformers computes it."""
+  top_k = hf.get("num_experts_per_tok", 2)
+  if top_k == 1:
+    raise ValueError(f"{where}: num_experts_per_tok=1 is not supported (Mixtral renormalises the top-1 gate to 1, "
+                     f"t5x_like's top-1 gate is the router probability)")
+  dense = _from_llama({k: v for k, v in hf.items() if k not in ("attention_bias", "mlp_bias")}, where)
+  # transformers' Mixtral loss is router_aux_loss_coef × E·Σ_e f_e·P_e with f_e summed over the k choices (k when
+  # balanced); ours averages them (1 when balanced): the same gradient takes a weight k times the coefficient.
+  return dataclasses.replace(dense, num_experts=hf["num_local_experts"], moe_top_k=top_k, moe_every=1,
+                             moe_dropless=True, moe_router_z_weight=0.0,
+                             moe_load_balancing_weight=hf.get("router_aux_loss_coef", 0.001) * top_k)
+
+
 def export_architecture(config: GPTConfig) -> str:
   """The Hugging Face architecture that computes what `config` does, or a ValueError saying why none does."""
   if config.num_experts:
-    raise ValueError(f"GPTConfig.num_experts={config.num_experts}: mixture-of-experts models do not export "
-                     f"(supported: {GPT2}, {LLAMA})")
+    mixtral = {"moe_every": (config.moe_every, config.moe_every == 1, "every layer is MoE"),
+               "moe_top_k": (config.moe_top_k, config.moe_top_k >= 2, "top-1 gates are renormalised to 1"),
+               "use_bias": (config.use_bias, not config.use_bias, "no biases"),
+               "norm": (config.norm, config.norm == "rmsnorm", "rmsnorm"),
+               "mlp_activation": (config.mlp_activation, config.mlp_activation == "swiglu", "swiglu"),
+               "position_embedding": (config.position_embedding, config.position_embedding == "rope", "rope")}
+    for key, (value, ok, why) in mixtral.items():
+      if not ok:
+        raise ValueError(f"GPTConfig.{key}={value!r}: this mixture-of-experts model does not export ({MIXTRAL} "
+                         f"needs {why})")
+    return MIXTRAL
   gpt2 = (config.norm == "layernorm" and config.mlp_activation == "gelu" and config.position_embedding == "learned"
           and config.use_bias and config.kv_heads == config.num_heads)
   if gpt2:
@@ -147,6 +180,11 @@ def to_hf(config: GPTConfig, token_ids: Optional[dict] = None, dtype: str = "flo
          "max_position_embeddings": config.max_len, "rms_norm_eps": config.layer_norm_epsilon,
          "rope_theta": config.rope_theta, "attention_bias": config.use_bias, "mlp_bias": config.use_bias,
          "attention_dropout": 0.0}
+  if arch == MIXTRAL:
+    del out["attention_bias"], out["mlp_bias"]  # Mixtral has neither
+    out.update(intermediate_size=config.expert_d_ff, num_local_experts=config.num_experts,
+               num_experts_per_tok=config.moe_top_k, sliding_window=None, output_router_logits=False,
+               router_aux_loss_coef=config.moe_load_balancing_weight / config.moe_top_k, router_jitter_noise=0.0)
   if config.rope_scaling_factor != 1.0:
     out["rope_scaling"] = {"rope_type": "llama3", "factor": config.rope_scaling_factor,
                            "low_freq_factor": config.rope_low_freq_factor,
@@ -158,6 +196,6 @@ def to_hf(config: GPTConfig, token_ids: Optional[dict] = None, dtype: str = "flo
 def model_gin(config: GPTConfig, source: str) -> str:
   """model.gin text binding `config`'s MODEL_FIELDS, for `--gin_file=MODEL_DIR/model.gin`."""
   lines = [f"# {source}", "# Model only: add a run config (configs/runs/...) for dtype, remat and the mesh."]
-  for name in MODEL_FIELDS:
+  for name in MODEL_FIELDS + (MOE_FIELDS if config.num_experts else ()):
     lines.append(f"model.GPTConfig.{name} = {getattr(config, name)!r}")
   return "\n".join(lines) + "\n"

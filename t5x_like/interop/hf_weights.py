@@ -1,9 +1,10 @@
 """The tensor table: each Hugging Face tensor ↔ the (part of the) t5x_like parameter it fills, both directions.
 
-Our parameters (float32) stack the layers on a leading axis; HF keeps one tensor per layer. GPT-2's
-Conv1D weights are stored (in, out), Llama's nn.Linear weights (out, in); ours are (in..., out...) with the
-heads split out, e.g. q_proj (H·Dh, D) → query/kernel (D, H, Dh). Vocabulary rows past the real vocabulary
-(padding for sharding) are zero on import and dropped on export.
+Our parameters (float32) stack the layers on a leading axis (an MoE layer's experts on the next one); HF
+keeps one tensor per layer (Mixtral: per layer and expert). GPT-2's Conv1D weights are stored (in, out),
+Llama's nn.Linear weights (out, in); ours are (in..., out...) with the heads split out, e.g. q_proj (H·Dh, D)
+→ query/kernel (D, H, Dh). Vocabulary rows past the real vocabulary (padding for sharding) are zero on import
+and dropped on export.
 """
 
 import dataclasses
@@ -82,8 +83,13 @@ def gpt2_table(config: GPTConfig, prefix: str = "transformer.") -> list:
   return table
 
 
-def llama_table(config: GPTConfig) -> list:
-  """LlamaForCausalLM's tensors: fused qkv slots when num_kv_heads == num_heads, else query + key_value."""
+def llama_table(config: GPTConfig, mixtral: bool = False) -> list:
+  """LlamaForCausalLM's tensors: fused qkv slots when num_kv_heads == num_heads, else query + key_value.
+
+  mixtral: MixtralForCausalLM's instead: the same attention, norms and embeddings; the MLP of every layer is
+  `block_sparse_moe`: a router `gate` (E, D) and per expert e the SwiGLU matrices w1 (gate), w3 (up) and w2
+  (down), which fill expert e's slice of our stacked (E, in, out) `blocks/moe/*` kernels.
+  """
   h = "model.layers.{i}."
   all_ = slice(None)
   if config.fused_qkv:
@@ -99,11 +105,17 @@ def llama_table(config: GPTConfig) -> list:
     if config.use_bias:
       table.append(Tensor(f"{h}self_attn.{hf_name}.bias", f"blocks/{ours}/bias",
                           part=() if index is None else (index,)))
-  for hf_name, ours, fan_in in (("self_attn.o_proj", "attn/out", 2), ("mlp.gate_proj", "mlp_gate", 1),
-                                ("mlp.up_proj", "mlp_in", 1), ("mlp.down_proj", "mlp_out", 1)):
+  mlp = (("mlp.gate_proj", "mlp_gate", 1), ("mlp.up_proj", "mlp_in", 1), ("mlp.down_proj", "mlp_out", 1))
+  for hf_name, ours, fan_in in (("self_attn.o_proj", "attn/out", 2),) + (() if mixtral else mlp):
     table.append(Tensor(f"{h}{hf_name}.weight", f"blocks/{ours}/kernel", fan_in=fan_in, linear=True))
     if config.use_bias:
       table.append(Tensor(f"{h}{hf_name}.bias", f"blocks/{ours}/bias"))
+  if mixtral:
+    moe = h + "block_sparse_moe."
+    table.append(Tensor(moe + "gate.weight", "blocks/moe/router/kernel", fan_in=1, linear=True))
+    for e in range(config.num_experts):
+      table += [Tensor(f"{moe}experts.{e}.{hf_name}.weight", f"blocks/moe/{ours}/kernel", part=(e,), fan_in=1,
+                       linear=True) for hf_name, ours in (("w1", "mlp_gate"), ("w3", "mlp_in"), ("w2", "mlp_out"))]
   table.append(Tensor("model.norm.weight", "ln_f/scale"))
   if not config.tie_embeddings:
     table.append(Tensor("lm_head.weight", "lm_head/kernel", fan_in=1, linear=True, vocab_axis=1))
@@ -115,11 +127,11 @@ def table(arch: str, config: GPTConfig, keys=()) -> list:
   if arch == hf_config.GPT2:
     bare = "wte.weight" in keys and "transformer.wte.weight" not in keys
     return gpt2_table(config, prefix="" if bare else "transformer.")
-  return llama_table(config)
+  return llama_table(config, mixtral=arch == hf_config.MIXTRAL)
 
 
 def zero_leaves(config: GPTConfig) -> tuple:
-  """Our parameters HF has no tensor for: an untied lm_head's bias (neither family has one). Zero on
+  """Our parameters HF has no tensor for: an untied lm_head's bias (no family has one). Zero on
   import; export refuses them nonzero."""
   return ("lm_head/bias",) if not config.tie_embeddings and config.use_bias else ()
 
