@@ -114,18 +114,19 @@ def test_empty_initial_checkpoint_path_is_refused(corpus, tmp_path):
   manager.close()
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(vocab_size=1024), r"token_embedding: checkpoint \(1024, 32\) vs model config \(512, 32\) — "
-                            r"GPTConfig.vocab_size"),
-    (dict(d_ff=128), r"blocks/mlp_in/bias: checkpoint \(2, 128\) vs model config \(2, 64\) — GPTConfig.d_ff"),
-    (dict(num_kv_heads=1, use_bias=False), r"blocks/attn/key_value/kernel: missing from the checkpoint"),
+@pytest.mark.parametrize("base_change, run_change, message", [
+    (dict(vocab_size=1024), {}, r"token_embedding: checkpoint \(1024, 32\) vs model config \(512, 32\) — "
+                                r"GPTConfig.vocab_size"),
+    (dict(d_ff=128), {}, r"blocks/mlp_in/bias: checkpoint \(2, 128\) vs model config \(2, 64\) — GPTConfig.d_ff"),
+    ({}, dict(num_kv_heads=1, use_bias=False), r"blocks/attn/key_value/kernel: missing from the checkpoint"),
+    (dict(num_experts=4), dict(num_experts=2), r"blocks/moe/mlp_in/bias: checkpoint \(2, 4, 64\) vs model config "
+                                               r"\(2, 2, 64\) — GPTConfig.num_experts$"),
 ])
-def test_base_of_another_shape_is_refused_naming_the_parameter(corpus, tmp_path, change, message):
+def test_base_of_another_shape_is_refused_naming_the_parameter(corpus, tmp_path, base_change, run_change, message):
   """The run's vocabulary (the dataset's 400 pieces, padded to 512) and shapes against a differing base;
-  the last case is a GQA run over an MHA base (the base has qkv, the run needs query / key_value)."""
-  changed = dataclasses.replace(TINY, **change)
-  gqa = "num_kv_heads" in change  # then the changed model is the run and the plain one the base
-  config, base_config = (changed, TINY) if gqa else (TINY, changed)
+  then a GQA run over an MHA base (the base has qkv, the run needs query / key_value), and a 2-expert run
+  over a 4-expert base."""
+  config, base_config = dataclasses.replace(TINY, **run_change), dataclasses.replace(TINY, **base_change)
   base_dir = str(tmp_path / "base")
   checkpointing.save_params(base_dir, model_params(
       experiment_lib.Experiment(run_config("unused", corpus), base_config, OPT), seed=0))
