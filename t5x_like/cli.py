@@ -28,6 +28,7 @@ NESTED_CONFIGS = {
     "observe": (train_config_lib.ObserveConfig, "observe"),
     "lora": (train_config_lib.LoraConfig, "lora"),
     "curriculum": (train_config_lib.CurriculumConfig, "curriculum"),
+    "objective": (train_config_lib.ObjectiveConfig, "objective"),
 }
 
 

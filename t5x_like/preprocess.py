@@ -4,6 +4,8 @@
     python -m t5x_like.preprocess --input='corpus/*.jsonl' --output_dir=/data/ordered --order_by=field:difficulty
     python -m t5x_like.preprocess --format=chat --input='sft/*.jsonl' --output_dir=/data/sft \
         --tokenizer=/data/mycorpus [--gin_file=my_template.gin] [--gin.data.ChatTemplate.separator="''"]
+    python -m t5x_like.preprocess --format=preference --input='prefs/*.jsonl' --output_dir=/data/dpo \
+        --tokenizer=/data/mycorpus --pack_length=257
 """
 
 import logging
@@ -28,8 +30,9 @@ def define_flags():
   f = flags
   f.DEFINE_multi_string("input", None, "Input glob(s): *.jsonl/*.json(.gz) or plain text files.")
   f.DEFINE_string("output_dir", None, "DATA_DIR to write (local or gs://...).")
-  f.DEFINE_enum("format", "text", ["text", "chat"], "text: documents; chat: JSON-lines conversations "
-                "({messages: [{role, content}]} or {prompt, completion}) with per-token loss weights.")
+  f.DEFINE_enum("format", "text", ["text", "chat", "preference"], "text: documents; chat: JSON-lines conversations "
+                "({messages: [{role, content}]} or {prompt, completion}) with per-token loss weights; preference: "
+                "JSON-lines pairs {prompt, chosen, rejected} for DPO, rows of whole pairs (needs --pack_length).")
   f.DEFINE_string("tokenizer", None, "Existing tokenizer to use instead of training one: a SentencePiece "
                   ".model, an HF tokenizer.json or an HF folder (tokenizer.json + tokenizer_config.json), "
                   "or a DATA_DIR (its tokenizer). --format=chat needs one: the base model's.")

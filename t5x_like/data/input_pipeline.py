@@ -21,7 +21,8 @@ except RuntimeError:  # TF already initialised by the caller; it then decided de
   pass
 
 AUTOTUNE = tf.data.AUTOTUNE
-FORMATS = ("text", "chat")  # manifest "format": what the records hold (a manifest without one is text)
+FORMATS = ("text", "chat", "preference")  # manifest "format": what the records hold (a manifest without one is text)
+WEIGHTED = ("chat", "preference")  # formats that store a loss weight per token (preference: rows of whole pairs)
 log = logging.getLogger(__name__)
 _PREPROCESS_HINT = "run python -m t5x_like.preprocess --input=GLOB --output_dir={d}"
 
@@ -325,7 +326,7 @@ def make_dataset(data_dir: str, split: str, *, batch_size: int, seq_len: int, se
     ds = files.interleave(read, cycle_length=cycle_length or min(len(shards), 8), block_length=1,
                           num_parallel_calls=num_parallel_reads, deterministic=True)
   packed = manifest.get("packed_length")
-  chat = manifest.get("format", "text") == "chat"
+  chat = manifest.get("format", "text") in WEIGHTED
   window = (order_window if ordered else shuffle_buffer) if shuffle else 0  # rows permuted together
   block = window or batch_size  # rows
   if packed == length:  # pre-packed rows with their segment ids and positions: no repacking
@@ -335,8 +336,9 @@ def make_dataset(data_dir: str, split: str, *, batch_size: int, seq_len: int, se
     if window:
       ds = ds.rebatch(block, drop_remainder=False)
   elif chat and packed:
-    raise ValueError(f"DATA_DIR '{data_dir}' holds chat rows pre-packed to {packed} tokens: read it with "
-                     f"seq_len={packed - 1} (got {seq_len}), or preprocess it again without --pack_length")
+    again = "without --pack_length" if manifest["format"] == "chat" else f"with --pack_length={length}"
+    raise ValueError(f"DATA_DIR '{data_dir}' holds {manifest['format']} rows pre-packed to {packed} tokens: read it "
+                     f"with seq_len={packed - 1} (got {seq_len}), or preprocess it again {again}")
   elif chat:  # whole conversations with their loss weights, packed into rows without splitting any
     longest = manifest["splits"][split].get("max_document_tokens", 0)
     if longest > length:

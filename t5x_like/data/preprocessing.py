@@ -20,6 +20,7 @@ from t5x_like.data import chat
 from t5x_like.data import input_pipeline
 from t5x_like.data import ordering
 from t5x_like.data import packing
+from t5x_like.data import preference
 from t5x_like.data.tokenization_cache import CACHE_VERSION as _CACHE_VERSION
 from t5x_like.data.tokenization_cache import Cache
 from t5x_like.data.tokenization_cache import digest as _digest
@@ -232,6 +233,53 @@ def preprocess_chat(inputs: Sequence[str] | str, output_dir: str, *, tokenizer: 
   return report
 
 
+def preprocess_preference(inputs: Sequence[str] | str, output_dir: str, *, tokenizer: str | None,
+                          template: chat.ChatTemplate = chat.ChatTemplate(), num_train_shards: int = 4,
+                          num_validation_shards: int = 1, validation_fraction: float = 0.01, seed: int = 0,
+                          pack_length: int | None = None, dedup: bool = True) -> dict:
+  """Builds a preference DATA_DIR (format "preference", see `data/preference.py`) from JSON lines
+  {"prompt", "chosen", "rejected"}: rows of `pack_length` (= SEQ_LEN + 1) tokens holding whole pairs.
+
+  Malformed lines (bad JSON, a missing key, chosen == rejected, empty text, ...) are counted by reason and
+  the first few named by file:line; pairs longer than a row are dropped (dropped_too_long); exact
+  duplicate pairs are dropped.
+  """
+  if not tokenizer:
+    raise ValueError("--format=preference needs --tokenizer: the policy's DATA_DIR, .model or tokenizer.json")
+  if not pack_length:
+    raise ValueError("--format=preference needs --pack_length=SEQ_LEN+1: its rows hold whole pairs")
+  files = expand_inputs(inputs)
+  for f in files:
+    if input_kind(f) != "jsonl":
+      raise ValueError(f"--format=preference reads JSON lines: --input file '{f}' is not *.jsonl / *.json(.gz)")
+  tok = get_tokenizer(files, None, {"tokenizer": resolve_tokenizer_path(tokenizer)}, Cache(None), 1)
+  counts = collections.Counter()
+  texts = [(f, text_cleaning.fix_invalid_utf8(text_cleaning.decode_utf8(read_input(f)), "replace", counts))
+           for f in files]
+  result = preference.read_pairs(texts, chat.ChatEncoder(tok, template), pack_length)
+  counts.update(result.counts)
+  pairs, seen = [], set()
+  for pair in result.pairs:
+    if dedup and pair.digest() in seen:
+      counts["dropped_duplicate"] += 1
+      continue
+    seen.add(pair.digest())
+    pairs.append(pair)
+  if not pairs:
+    raise ValueError(f"No preference pairs left in {len(files)} input file(s) (dropped: "
+                     f"{_by_prefix(counts, 'dropped_')}; first: {result.malformed_lines[:1]})")
+  extra = {"inputs": len(files), "chat_template": dataclasses.asdict(template)}
+  path, manifest, splits, most = preference.write_data_dir(
+      output_dir, tok, pairs, pack_length=pack_length, validation_fraction=validation_fraction, seed=seed,
+      num_train_shards=num_train_shards, num_validation_shards=num_validation_shards, counts=counts, extra=extra)
+  report = make_report(counts, splits, len(pairs))
+  report["max_pairs_per_row"] = most
+  manifest["stats"] = {k: v for k, v in report.items() if k not in ("documents_tokenized", "cache_hits")}
+  shard_writer.write_json(path, manifest)
+  report["malformed_lines"] = result.malformed_lines
+  return report
+
+
 def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int = 8192,
                tokenizer: str | None = None, model_type: str = "bpe", byte_fallback: bool = True,
                character_coverage: float = 0.9995, max_tokenizer_chars: int | None = 20_000_000,
@@ -262,6 +310,8 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
     progress: log progress lines.
     data_format: "text", or "chat": conversations with loss weights (`preprocess_chat`, which
       takes chat_template, train_on_prompt, max_tokens; needs `tokenizer`; no cleaning or cache).
+      "preference": {"prompt", "chosen", "rejected"} pairs (`preprocess_preference`: chat_template,
+      pack_length required, `tokenizer` required).
     order_by: None / "none": the seeded shard plan. "length" (tokens, EOS included) or "field:NAME"
       (the numeric JSON field NAME of each line; JSON-lines input only, every line needs it): the
       train split is written sorted ascending by that score, ties by content hash, dealt round-robin
@@ -281,6 +331,16 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
   if data_format not in shard_writer.FEATURES:
     raise ValueError(f"--format must be one of {sorted(shard_writer.FEATURES)}, got '{data_format}'")
   order = ordering.parse_order_by(order_by)
+  if data_format == "preference":
+    if order is not None:
+      raise ValueError(f"--order_by={order_by} is not supported with --format=preference")
+    report = preprocess_preference(inputs, output_dir, tokenizer=tokenizer, template=chat_template,
+                                   num_train_shards=num_train_shards, num_validation_shards=num_validation_shards,
+                                   validation_fraction=validation_fraction, seed=seed, pack_length=pack_length,
+                                   dedup=cleaning.dedup)
+    elapsed = time.time() - t0
+    report.update(time_s=round(elapsed, 3), tokens_per_s=round(report["tokens"] / max(elapsed, 1e-9)))
+    return report
   if data_format == "chat":
     report = preprocess_chat(inputs, output_dir, tokenizer=tokenizer, template=chat_template,
                              train_on_prompt=train_on_prompt, max_tokens=max_tokens,

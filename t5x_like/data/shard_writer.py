@@ -20,7 +20,7 @@ MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.model"
 SPLITS = ("train", "validation")
 # The per-token features each record format stores ("weights": 0/1 loss weight of predicting the token).
-FEATURES = {"text": ("tokens",), "chat": ("tokens", "weights")}
+FEATURES = {"text": ("tokens",), "chat": ("tokens", "weights"), "preference": ("tokens", "weights")}
 
 
 def join(base: str, rel: str) -> str:

@@ -84,6 +84,22 @@ class LoraConfig:
     return self.alpha / self.rank
 
 
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+  """Which loss trains the model (training/objectives/), bound as `objective.ObjectiveConfig.<field>`."""
+  name: str = "language_model"  # 'language_model' (pre-training, SFT) or 'preference' (DPO/IPO/SimPO on pairs)
+  loss_type: str = "sigmoid"  # preference: 'sigmoid' (DPO), 'ipo', 'simpo' (reference-free)
+  beta: float = 0.1  # preference: β (DPO/IPO: strength of the implicit KL to the reference; SimPO: reward scale)
+  gamma: float = 0.5  # simpo: the target reward margin γ
+  # preference: the frozen reference model (REFERENCE_CHECKPOINT_PATH): a MODEL_DIR, checkpoints/<step> or
+  # converted checkpoint; '' = CheckpointConfig.warm_start_from (INITIAL_CHECKPOINT_PATH)
+  reference_checkpoint: str = ""
+
+  def __post_init__(self):
+    if self.name not in ("language_model", "preference"):
+      raise ValueError(f"ObjectiveConfig.name must be 'language_model' or 'preference', got {self.name!r}")
+
+
 # Named TrainConfig.trainable values (any other value is a regex over parameter paths).
 TRAINABLE_PRESETS = {
     "all": ".*",
@@ -120,6 +136,7 @@ class TrainConfig:
   observe: ObserveConfig = ObserveConfig()  # observe.ObserveConfig
   lora: LoraConfig = LoraConfig()  # lora.LoraConfig; rank 0 = off
   curriculum: CurriculumConfig = CurriculumConfig()  # curriculum.CurriculumConfig; sequence-length warmup
+  objective: ObjectiveConfig = ObjectiveConfig()  # objective.ObjectiveConfig; the loss
 
   def __post_init__(self):
     if self.fault_tolerance.nonfinite_action not in ("stop", "rollback"):

@@ -36,13 +36,14 @@ from t5x_like.training import train_state as train_state_lib
 from t5x_like.training import trainable as trainable_lib
 from t5x_like.training.config import TrainConfig
 from t5x_like.training.objectives import language_model
+from t5x_like.training.objectives import preference
 
 
 # The model config field each logical parameter axis comes from (named in shape-mismatch errors).
 AXIS_FIELDS = {ax.VOCAB: "GPTConfig.vocab_size", ax.EMBED: "GPTConfig.d_model", ax.MLP: "GPTConfig.d_ff",
                ax.HEADS: "GPTConfig.num_heads", ax.KV_HEADS: "GPTConfig.num_kv_heads",
                ax.KV: "GPTConfig.d_model / num_heads (head_dim)", ax.LAYERS: "GPTConfig.num_layers",
-               ax.POSITION: "GPTConfig.max_len", ax.NORM: "GPTConfig.d_model"}
+               ax.POSITION: "GPTConfig.max_len", ax.NORM: "GPTConfig.d_model", ax.EXPERT: "GPTConfig.num_experts"}
 
 
 _NO_DATA_DIR = "DATA_DIR is not set: training and evaluation read a prepared dataset (python -m t5x_like.preprocess)"
@@ -97,9 +98,7 @@ class Experiment:
     self.rules = tuple(config.axis_rules or partitioning.DEFAULT_RULES)
     self.model = model_lib.GPT(self.model_config)
     # The objective over the model's parameters; under LoRA, `objective` wraps it to take adapters.
-    self.model_objective = language_model.LanguageModel(
-        apply_fn=self.model.apply, loss_chunk=config.loss_chunk,
-        logits_fn=lambda params, hidden: model_lib.project_logits(params, hidden, self.model_config))
+    self.model_objective = self.make_objective()
     self.objective = self.model_objective
     self.lr_fn = optimizer_lib.learning_rate_schedule(optimizer_config, config.train_steps)
     self.tx = optimizer_lib.make_optimizer(optimizer_config, config.train_steps)
@@ -107,12 +106,15 @@ class Experiment:
     self.frozen, self.frozen_shardings = {}, {}
     self.lora = config.lora if config.lora.rank else None
     self.lora_base = None  # under LoRA: the base's checkpoints/<step> directory, once loaded
+    self.reference = None  # preference objectives: the reference's checkpoints/<step> directory, once loaded
     self.params_fn = None  # rng → the state's boxed parameters when they are not the model's (LoRA adapters)
     if self.lora:
       kernels = lora_lib.target_kernels(self.boxed_params, self.lora.targets)
       self.objective = lora_lib.objective(self.model_objective, self.boxed_params, self.lora)
       self.params_fn = functools.partial(lora_lib.init_adapters, kernels=kernels, config=self.lora)
       self.frozen_shardings[lora_lib.BASE] = self.model_shardings
+    if self.needs_reference:
+      self.frozen_shardings[preference.REFERENCE] = self.model_shardings
     with self.context():
       self.abstract_state, self.state_shardings = train_state_lib.state_shardings(
           self.model, self.tx, self.mesh, self.rules, loss_scale=self.initial_loss_scale(),
@@ -120,6 +122,48 @@ class Experiment:
     self.trainable_paths = trainable_lib.trainable_paths(self.abstract_state.params, config.trainable_regex)
     if config.offload_optimizer:
       self.state_shardings = offload.offload_shardings(self.state_shardings)
+
+  def make_objective(self):
+    """The loss over the model's parameters that ObjectiveConfig names: language modelling, or preference
+    optimisation (DPO/IPO/SimPO) over a preference DATA_DIR's rows of pairs."""
+    config, manifest = self.config, self.manifest
+    if config.objective.name == "language_model":
+      return language_model.LanguageModel(
+          apply_fn=self.model.apply, loss_chunk=config.loss_chunk,
+          logits_fn=lambda params, hidden: model_lib.project_logits(params, hidden, self.model_config))
+    if manifest is not None and manifest.get("format") != "preference":
+      raise ValueError(f"ObjectiveConfig.name='preference' reads a preference DATA_DIR (python -m t5x_like.preprocess "
+                       f"--format=preference): DATA_DIR '{config.data_dir}' has format "
+                       f"{manifest.get('format', 'text')!r}")
+    if config.curriculum.enabled():
+      raise ValueError("ObjectiveConfig.name='preference' with a sequence-length warmup (CurriculumConfig): cutting "
+                       "rows would split pairs; turn the warmup off")
+    if self.initial_loss_scale() is not None:
+      raise ValueError("ObjectiveConfig.name='preference' with dynamic loss scaling (float16): not supported, the "
+                       "scaled step normalises by tokens, not pairs; use bfloat16 or float32")
+    objective = config.objective
+    return preference.Preference(self.model.apply, loss_type=objective.loss_type, beta=objective.beta,
+                                 gamma=objective.gamma,
+                                 max_pairs=int((manifest or {}).get("max_pairs_per_row") or 1))
+
+  @property
+  def needs_reference(self) -> bool:
+    """Whether the objective reads the frozen reference model (DPO, IPO; not SimPO or language modelling)."""
+    return bool(getattr(self.model_objective, "needs_reference", False))
+
+  def load_reference(self, path: Optional[str] = None) -> str:
+    """Restores the frozen reference model `preference.REFERENCE` from `path`, else ObjectiveConfig.
+    reference_checkpoint (REFERENCE_CHECKPOINT_PATH), else CheckpointConfig.warm_start_from
+    (INITIAL_CHECKPOINT_PATH), after checking every parameter shape; returns the checkpoints/<step> read."""
+    path = path or self.config.objective.reference_checkpoint or self.config.checkpoint.warm_start_from
+    if not path:
+      raise ValueError(f"the {self.model_objective.loss_type} preference loss needs a reference model: set "
+                       "REFERENCE_CHECKPOINT_PATH (ObjectiveConfig.reference_checkpoint) or INITIAL_CHECKPOINT_PATH")
+    pinned = self.check_checkpoint_shapes(path, "reference model (REFERENCE_CHECKPOINT_PATH)")
+    if self.reference != pinned:
+      self.add_frozen(preference.REFERENCE, pinned)
+      self.reference = pinned
+    return pinned
 
   @functools.cached_property
   def boxed_params(self):
@@ -389,4 +433,11 @@ class Experiment:
                        f"(available: {sorted(self.manifest['splits'])})")
     with self.context():
       found, params = self.restore_adapters(step) if self.lora else self.restore_params(step)
+    if self.needs_reference:  # the reference the run trained against (its checkpoints' metadata), else the config's
+      _, path = checkpointing.step_dir(self.config.model_dir, found)
+      try:
+        pinned = checkpointing.read_metadata(path).get("reference_checkpoint")
+      except Exception:  # pylint: disable=broad-except  # a parameters-only checkpoint may have no metadata
+        pinned = None
+      self.load_reference(pinned)
     return {"step": int(found), "split": split, **self.evaluate(params, split=split)}

@@ -92,11 +92,12 @@ def initial_state(exp: Experiment, manager, train_iter) -> tuple:
   """Where a launch starts: MODEL_DIR's newest good checkpoint (a resumed fine-tune continues from its own
   checkpoint, never the base), else a fresh state, warm-started from CheckpointConfig.warm_start_from
   (INITIAL_CHECKPOINT_PATH) after checking its shapes. Under LoRA the base is loaded as the frozen model:
-  on resume the one the checkpoint's metadata names, else INITIAL_CHECKPOINT_PATH's newest step.
+  on resume the one the checkpoint's metadata names, else INITIAL_CHECKPOINT_PATH's newest step. A DPO/IPO
+  objective's frozen reference is loaded the same way (REFERENCE_CHECKPOINT_PATH, default INITIAL_CHECKPOINT_PATH).
 
   Returns:
     (start step, state, the restored checkpoint's metadata or None, metadata to record in this run's
-    checkpoints: {'lora': {...}} or {'initial_checkpoint': path}).
+    checkpoints: {'lora': {...}} or {'initial_checkpoint': path}, and {'reference_checkpoint': path}).
   """
   config, ckpt = exp.config, exp.config.checkpoint
   abstract = exp.abstract_with_shardings()
@@ -118,6 +119,10 @@ def initial_state(exp: Experiment, manager, train_iter) -> tuple:
     origin["lora"] = {"base": pinned, "rank": exp.lora.rank, "alpha": exp.lora.alpha, "targets": exp.lora.targets}
     logging.info("LoRA rank %d (alpha %g) on %d kernels over the frozen base %s", exp.lora.rank, exp.lora.alpha,
                  len(exp.objective.kernel_names), pinned)
+  if exp.needs_reference:  # DPO/IPO: a resumed run keeps the reference its checkpoints name
+    pinned = (saved_metadata or {}).get("reference_checkpoint") if resumed else None
+    origin["reference_checkpoint"] = exp.load_reference(pinned)
+    logging.info("frozen reference model %s", origin["reference_checkpoint"])
   if resumed:
     logging.info("resumed from %s at step %d", checkpoints.checkpoint_dir(config.model_dir), int(restored_step))
     return int(restored_step), state, saved_metadata, origin

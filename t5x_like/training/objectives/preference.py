@@ -1,0 +1,130 @@
+"""Direct preference optimisation over a preference DATA_DIR: DPO (sigmoid), IPO, and reference-free SimPO.
+
+A batch holds rows of whole pairs (data/preference.py): pair k of a row is segment 2k+1 (prompt + chosen)
+and segment 2k+2 (prompt + rejected); `weights` is 1 on the response tokens. Per pair, with log π(y|x) the
+sum of the policy's token log-probabilities over the response tokens, and π_ref the frozen reference's:
+
+  h = log π(y_c|x) − log π_ref(y_c|x) − (log π(y_r|x) − log π_ref(y_r|x))
+  sigmoid (DPO, Rafailov et al. 2023):  −log σ(β·h)
+  ipo (Azar et al. 2023):                (h − 1/(2β))²
+  simpo (Meng et al. 2024):              −log σ(β·(log π(y_c|x)/|y_c| − log π(y_r|x)/|y_r|) − γ)   (no reference)
+
+Sums over pairs: (Σ loss, number of pairs, metrics), so the step's Σ / Σ weight is a mean per pair.
+Metrics: rewards/chosen and rewards/rejected (β·(log π − log π_ref); SimPO: β·log π/|y|), rewards/margin,
+rewards/accuracy (the chosen reward above the rejected; a tie counts 1/2, so a policy equal to its
+reference scores exactly 0.5), logps/chosen, logps/rejected (the policy's summed log-probs) and
+logps/accuracy (the policy alone gives the chosen response the higher log-probability; ties 1/2).
+"""
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from t5x_like.training.objectives import language_model
+
+REFERENCE = "reference"  # the frozen reference model's key in `frozen`
+LOSS_TYPES = ("sigmoid", "ipo", "simpo")
+REFERENCE_FREE = ("simpo",)
+
+
+def token_logps(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """log softmax(logits)[target] per position, float32 (B, L); a one-hot contraction (vocab-shardable)."""
+  logits = logits.astype(jnp.float32)
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
+  return target_logit - log_z
+
+
+def pair_sums(values: jax.Array, segment_ids: jax.Array, max_pairs: int):
+  """Σ of `values` (B, L) over each row's chosen and rejected segments: two (B, max_pairs) arrays.
+
+  Segment s > 0 belongs to pair (s − 1) // 2, chosen when s is odd; segment 0 (padding) to none.
+  """
+  slots = jax.nn.one_hot(segment_ids - 1, 2 * max_pairs, dtype=jnp.float32)  # (B, L, 2P); segment 0 → zeros
+  sums = jnp.einsum("bl,bls->bs", values.astype(jnp.float32), slots)
+  return sums[:, 0::2], sums[:, 1::2]
+
+
+def sequence_logps(apply_fn: Callable, params, batch, max_pairs: int):
+  """(Σ log π over chosen responses, over rejected ones), each (B, max_pairs)."""
+  logits = apply_fn({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"])
+  weighted = token_logps(logits, batch["targets"]) * batch["weights"].astype(jnp.float32)
+  return pair_sums(weighted, batch["segment_ids"], max_pairs)
+
+
+def pair_losses(loss_type: str, beta: float, gamma: float, policy, reference, lengths):
+  """(per-pair loss, chosen reward, rejected reward), each (B, P), from summed log-probs.
+
+  policy, reference: (chosen, rejected) summed log-probs; lengths: (chosen, rejected) response token counts.
+  """
+  (pc, pr), (lc, lr) = policy, lengths
+  if loss_type == "simpo":
+    rc, rr = beta * pc / jnp.maximum(lc, 1.0), beta * pr / jnp.maximum(lr, 1.0)
+    return -jax.nn.log_sigmoid(rc - rr - gamma), rc, rr
+  qc, qr = pc - reference[0], pr - reference[1]
+  rc, rr = beta * qc, beta * qr
+  if loss_type == "sigmoid":
+    return -jax.nn.log_sigmoid(rc - rr), rc, rr
+  if loss_type == "ipo":
+    return jnp.square(qc - qr - 1.0 / (2.0 * beta)), rc, rr
+  raise ValueError(f"preference loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+def _above(a, b):
+  """1 where a > b, 1/2 where equal, 0 below."""
+  return jnp.where(a > b, 1.0, jnp.where(a == b, 0.5, 0.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Preference:
+  """DPO / IPO / SimPO on pairs (see the module docstring).
+
+  Attributes:
+    apply_fn: the decoder's `apply` ({'params': p}, tokens, positions, segment_ids) → (B, L, V) logits.
+    loss_type: 'sigmoid' (DPO), 'ipo' or 'simpo' (reference-free: `frozen` needs no REFERENCE).
+    beta: β, the strength of the implicit KL to the reference (SimPO: the reward scale).
+    gamma: SimPO's target reward margin γ (unused by the others).
+    max_pairs: the most pairs a row holds (the DATA_DIR manifest's max_pairs_per_row); pairs beyond it
+      would be ignored.
+  """
+  apply_fn: Callable
+  loss_type: str = "sigmoid"
+  beta: float = 0.1
+  gamma: float = 0.5
+  max_pairs: int = 1
+  features: tuple = language_model.FEATURES
+
+  def __post_init__(self):
+    if self.loss_type not in LOSS_TYPES:
+      raise ValueError(f"ObjectiveConfig.loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+    if self.beta <= 0:
+      raise ValueError(f"ObjectiveConfig.beta must be > 0, got {self.beta}")
+    if self.max_pairs < 1:
+      raise ValueError(f"max_pairs must be >= 1, got {self.max_pairs}")
+
+  @property
+  def needs_reference(self) -> bool:
+    return self.loss_type not in REFERENCE_FREE
+
+  def loss(self, params, batch, frozen):
+    policy = sequence_logps(self.apply_fn, params, batch, self.max_pairs)
+    lengths = pair_sums(batch["weights"], batch["segment_ids"], self.max_pairs)
+    reference = None
+    if self.needs_reference:
+      if REFERENCE not in frozen:
+        raise ValueError(f"the {self.loss_type} preference loss needs the frozen model '{REFERENCE}' "
+                         "(REFERENCE_CHECKPOINT_PATH)")
+      reference = jax.tree.map(jax.lax.stop_gradient,
+                               sequence_logps(self.apply_fn, frozen[REFERENCE], batch, self.max_pairs))
+    losses, rc, rr = pair_losses(self.loss_type, self.beta, self.gamma, policy, reference, lengths)
+    valid = ((lengths[0] > 0) & (lengths[1] > 0)).astype(jnp.float32)  # a pair present in this row slot
+    total = lambda x: jnp.sum(x * valid)
+    metrics = {
+        "rewards/chosen": total(rc), "rewards/rejected": total(rr), "rewards/margin": total(rc - rr),
+        "rewards/accuracy": total(_above(rc, rr)),
+        "logps/chosen": total(policy[0]), "logps/rejected": total(policy[1]),
+        "logps/accuracy": total(_above(policy[0], policy[1])),
+    }
+    return total(losses), jnp.sum(valid), metrics
