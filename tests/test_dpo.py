@@ -254,6 +254,8 @@ def test_preference_objective_refuses_other_data_and_a_missing_reference(prefs, 
     exp.load_reference()
   assert not experiment_lib.Experiment(run_config(tmp_path / "r", prefs[0], loss_type="simpo"), TINY,
                                        OPT).needs_reference
+  with pytest.raises(ValueError, match="holds preference pairs: language modelling would learn the rejected"):
+    experiment_lib.Experiment(run_config(tmp_path / "r", prefs[0], objective=config_lib.ObjectiveConfig()), TINY, OPT)
   with pytest.raises(ValueError, match="loss_type must be one of"):
     experiment_lib.Experiment(run_config(tmp_path / "r", prefs[0], loss_type="hinge"), TINY, OPT)
 

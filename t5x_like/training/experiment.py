@@ -128,6 +128,9 @@ class Experiment:
     optimisation (DPO/IPO/SimPO) over a preference DATA_DIR's rows of pairs."""
     config, manifest = self.config, self.manifest
     if config.objective.name == "language_model":
+      if manifest is not None and manifest.get("format") == "preference":
+        raise ValueError(f"DATA_DIR '{config.data_dir}' holds preference pairs: language modelling would learn the "
+                         "rejected answers too; train it with configs/runs/dpo.gin (ObjectiveConfig.name='preference')")
       return language_model.LanguageModel(
           apply_fn=self.model.apply, loss_chunk=config.loss_chunk,
           logits_fn=lambda params, hidden: model_lib.project_logits(params, hidden, self.model_config))
