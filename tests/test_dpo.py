@@ -4,6 +4,7 @@ layouts equal to one device, and bad input named by file:line or parameter."""
 
 import dataclasses
 import json
+import os
 
 import flax.linen as nn
 import jax
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import conftest
 from tests import test_parallelism as layouts
 
 from t5x_like.data import input_pipeline
@@ -359,3 +361,24 @@ def test_dpo_learns_the_generated_preference_on_held_out_pairs(prefs, tmp_path):
   result = fresh.evaluate_checkpoint()
   assert fresh.reference == origin["reference_checkpoint"]
   assert result["eval/rewards/accuracy"] == pytest.approx(after["eval/rewards/accuracy"], abs=1e-9)
+
+
+@pytest.mark.slow  # two trainer.train runs
+def test_dpo_run_resumed_from_a_checkpoint_repeats_the_same_steps_bit_for_bit(prefs, tmp_path):
+  """A DPO run of 4 steps, and a copy of it rewound to its step-2 checkpoint and resumed: steps 3 and 4 log the
+  same losses and metrics, bit for bit (data position, optimizer state and the pinned reference restored)."""
+  base_dir = str(tmp_path / "base")
+  checkpointing.save_params(base_dir, host_params(TINY, seed=1))
+  config = run_config(tmp_path / "run", prefs[0], base=base_dir, train_steps=4, checkpoint_every=2,
+                      data=config_lib.DataConfig(shuffle_buffer=64, eval_batches=1))
+  trainer.train(config, TINY, OPT)
+  rewound = conftest.rewind(tmp_path / "run", tmp_path / "resumed", 2)
+  trainer.train(dataclasses.replace(config, model_dir=rewound), TINY, OPT)
+  logged = lambda d: {r["step"]: r for r in map(json.loads, open(os.path.join(d, "metrics.jsonl"))) if "loss" in r}
+  first, second = logged(tmp_path / "run"), logged(rewound)
+  assert sorted(second) == [3, 4]
+  for step in (3, 4):
+    for key in ("loss", "grad_norm", "rewards/accuracy", "rewards/margin", "logps/chosen", "logps/rejected"):
+      assert second[step][key] == first[step][key], (step, key)
+  meta = checkpointing.read_metadata(os.path.join(rewound, "checkpoints", "4"))
+  assert meta["reference_checkpoint"] == os.path.join(base_dir, "checkpoints", "0")
