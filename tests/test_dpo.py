@@ -339,6 +339,9 @@ def test_dpo_learns_the_generated_preference_on_held_out_pairs(prefs, tmp_path):
   train_iter = iter(exp.dataset("train", shuffle=True, repeat=True))
   start, state, _, origin = trainer.initial_state(exp, manager, train_iter)
   assert start == 0 and origin["reference_checkpoint"] == origin["initial_checkpoint"]  # the default reference
+  report = exp.startup_report()  # the reference costs its parameters' bytes (data parallel: all of them per device)
+  assert report["memory/frozen_reference_bytes_per_device"] == report["memory/params_bytes_per_device"] == 4 * sum(
+      x.size for x in jax.tree.leaves(exp.frozen[preference.REFERENCE]))
   eval_step = exp.jit_eval_step()
   before = exp.evaluate(state.params, eval_step)
   step = exp.jit_train_step()

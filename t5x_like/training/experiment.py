@@ -220,6 +220,9 @@ class Experiment:
     if self.lora:
       report["memory/frozen_base_bytes_per_device"] = train_state_lib.bytes_per_device(
           partitioning.unbox(self.boxed_params), self.model_shardings)
+    if self.needs_reference:  # laid out like the model's parameters, without optimizer state
+      report["memory/frozen_reference_bytes_per_device"] = train_state_lib.bytes_per_device(
+          partitioning.unbox(self.boxed_params), self.model_shardings)
     return report
 
   def context(self):
