@@ -4,7 +4,7 @@
 
 Every stage runs through the command-line entry points, as docs/finetune.md walks through them:
   1. the built-in corpus (data/pystdlib/prepare.py, a few MB of the standard library's source);
-  2. a base model: gpt_tiny pre-trained on it (configs/experiments/pystdlib_demo.gin, fewer steps);
+  2. a base model: llama_tiny (--model) pre-trained on it (configs/experiments/pystdlib_demo.gin's run);
   3. a generated chat task (t5x_like/data/chat_synth.py), train and held-out test JSON lines;
   4. `preprocess --format=chat` with the base's tokenizer;
   5. `train` with configs/runs/finetune.gin and INITIAL_CHECKPOINT_PATH=base, three ways: all weights,

@@ -22,11 +22,16 @@ from tests import test_parallelism as layouts
 
 from t5x_like import checkpoints as checkpoints_cli
 from t5x_like import cli
+from t5x_like.data import chat
+from t5x_like.data import chat_synth
+from t5x_like.data import preprocessing
+from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.model import decoder as model_lib
 from t5x_like.observe import metrics as metrics_lib
 from t5x_like.parallel import global_batch
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
+from t5x_like.training import chat_eval
 from t5x_like.training import config as config_lib
 from t5x_like.training import experiment as experiment_lib
 from t5x_like.training import lora
@@ -477,3 +482,46 @@ def test_lora_kill_9_then_resume_is_bit_identical_and_merges_through_the_cli(cor
       ["the trainer reads", "a shard"], max_new_tokens=6) for d, c in ((killed, config_lib.LoraConfig(rank=4)),
                                                                        (str(tmp_path / "merged"), config_lib.LoraConfig()))]
   assert samples[0] == (CLI_STEPS, samples[1][1]) and samples[1][0] == 0 and all(samples[0][1])
+
+
+# ----------------------------------------------------------------------------------------------------
+# A generated task the base cannot do and the fine-tuned model can.
+
+
+@pytest.mark.slow  # 150 fine-tuning steps and two generations (≈ 25 s)
+def test_fine_tuning_teaches_a_generated_chat_task_the_base_cannot_do(tmp_path):
+  """Reverse two words, asked in a chat (t5x_like/data/chat_synth.py): the base answers none of 40 held-out
+  conversations; fine-tuned from it (INITIAL_CHECKPOINT_PATH) on 600 others, loss on the answers only, it
+  answers most exactly. (bench/finetune_task.py measures full / LoRA / attention-only from a pre-trained base.)"""
+  texts = [" ".join(chat_synth.WORDS) + "\nreverse: value of\n"] * 20
+  tok = tokenizer_lib.train_tokenizer(texts, str(tmp_path / "tok.model"), vocab_size=360, num_threads=1)
+  train_file, test_file = chat_synth.write_synthetic_chat(str(tmp_path / "task"), "reverse", 600, 40,
+                                                         min_words=2, max_words=2)
+  data_dir = str(tmp_path / "data")
+  preprocessing.preprocess([train_file], data_dir, tokenizer=tok.path, data_format="chat", num_train_shards=1,
+                           validation_fraction=0.0, progress=False, cache_dir=None)
+  config = model_lib.GPTConfig(num_layers=2, num_heads=2, d_model=32, d_ff=64, max_len=32, dtype="float32",
+                               tie_embeddings=False, position_embedding="rope", norm="rmsnorm",
+                               mlp_activation="swiglu", use_bias=False)
+  steps, base_dir, model_dir = 150, str(tmp_path / "base"), str(tmp_path / "sft")
+  run = config_lib.TrainConfig(
+      model_dir=model_dir, data_dir=data_dir, train_steps=steps, batch_size=16, seq_len=32, log_every=50,
+      eval_every=0, checkpoint_every=steps, mesh_shape={"data": -1},
+      data=config_lib.DataConfig(eval_batches=0, shuffle_buffer=256),
+      checkpoint=config_lib.CheckpointConfig(async_save=False, warm_start_from=base_dir, warm_start_required=True))
+  opt = optimizer_lib.OptimizerConfig(learning_rate=1e-2, warmup_steps=10, decay="constant")
+  exp = experiment_lib.Experiment(run, config, opt)
+  checkpointing.save_params(base_dir, model_params(exp, seed=0))
+  lines = chat_eval.read_chat_lines(test_file, require_reference=True)
+  encoder = chat_eval.encoder_for(exp, chat.ChatTemplate())
+
+  def exact_match(params) -> float:
+    with exp.context():
+      return chat_eval.evaluate(params, encoder, lines, objective=exp.model_objective, config=exp.model_config,
+                                batch_size=40, max_new_tokens=6)["generate/exact_match"]
+
+  assert exact_match(checkpointing.restore_params(base_dir)[1]) == 0.0
+  trainer.train(run, config, opt)
+  with exp.context():
+    step, tuned = exp.restore_params(None)
+  assert step == steps and exact_match(tuned) >= 0.5
