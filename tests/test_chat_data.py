@@ -334,6 +334,7 @@ def test_packed_and_unpacked_give_the_same_loss(chat_dir, loss_and_grad):
   np.testing.assert_allclose(loss, total, rtol=2e-6)
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_cli_chat_with_gin_template_and_data_dir_tokenizer(chat_dir, raw, tmp_path):
   out, _ = chat_dir
   gin = tmp_path / "template.gin"

@@ -105,6 +105,7 @@ def run_cli(module: str, *args) -> subprocess.CompletedProcess:
                         capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_infer_chat_writes_the_answers_decoding_generate_gives(setup, tmp_path):
   lines = chat_eval.read_chat_lines(setup["files"]["mixed"])
   encoder, tok = setup["encoder"], setup["tok"]
@@ -199,6 +200,7 @@ def test_reference_weights_cover_the_last_assistant_turn_only(setup):
   assert features["weights"][0].tolist() == weights[1:].tolist() + [0.0] * (41 - n)
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_evaluate_generate_cli_reports_exact_match_and_writes_json(setup, tmp_path):
   report_path = tmp_path / "report.json"
   result = run_cli("t5x_like.evaluate", "--generate", f"--prompt_file={setup['files']['mixed']}",

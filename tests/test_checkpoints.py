@@ -61,6 +61,7 @@ class _Iterator(tf.Module):  # stands in for the tf.data iterator: trackable by 
     self.position = tf.Variable(0, dtype=tf.int64)
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_reshard_on_restore_data8_to_fsdp4_tensor2(tmp_path):
   state, _ = sharded_state(DATA8)
   manager = checkpoints.make_manager(str(tmp_path), async_save=True)

@@ -13,7 +13,7 @@ from t5x_like.training import step as train_step
 from t5x_like.training.objectives import language_model
 
 
-@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("tied", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_chunked_loss_and_grads_equal_full(tied):
   cfg = model_lib.GPTConfig(vocab_size=128, max_len=32, num_layers=2, num_heads=4, d_model=32, d_ff=64,
                             dtype="float32", tie_embeddings=tied)

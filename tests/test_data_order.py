@@ -281,6 +281,7 @@ def test_sorted_indices_and_parse_order_by():
     ordering.parse_order_by("field:")
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_trainer_reads_the_order_and_its_window(dirs):
   """Experiment.dataset (what the trainer iterates) keeps the order; DataConfig.order_window reaches the pipeline."""
   d, _ = dirs["length"]

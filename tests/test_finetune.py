@@ -227,6 +227,7 @@ def test_lora_first_step_is_the_base_model_exactly(lora_run, base):
   assert float(lora_run["history"][1]["loss"]) != float(lora_run["history"][0]["loss"])
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_lora_adapters_run_in_the_model_like_merged_weights_and_dropout_is_seeded_by_the_batch(lora_run, base):
   """After two steps (B ≠ 0): x·W + x·A·(sB) in the model equals the loss on W + sA·B within float32 rounding;
   with dropout 0.5 the loss moves, the same batch draws the same masks and another batch other masks."""

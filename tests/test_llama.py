@@ -47,7 +47,8 @@ def llama_reference(llama_initial_state):
 LLAMA_PARAM_ATOL = 5e-6
 
 
-@pytest.mark.parametrize("layout", ["data2_fsdp2_tensor2", "pipeline2_data2_tensor2"])
+@pytest.mark.parametrize("layout", ["data2_fsdp2_tensor2",
+                                    pytest.param("pipeline2_data2_tensor2", marks=pytest.mark.slow)])
 def test_llama_layout_trains_like_one_device(layout, llama_initial_state, llama_reference):
   """Grouped-query heads split over `tensor` with their query groups; positions travel through the pipeline."""
   result = test_parallelism.train(llama_initial_state, **test_parallelism.LAYOUTS[layout], base=LLAMA)
@@ -93,6 +94,7 @@ def test_rotary_packed_documents_equal_each_document_alone(small_params):
   assert np.abs(np.asarray(spread) - np.asarray(alone)).max() > 1e-4  # measured 8e-4; float noise ~1e-8
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_grouped_query_cache_holds_kv_heads_and_decodes_like_recompute(small_params):
   cache = model_lib.init_cache(SMALL, 2, 12)
   assert cache["k"].shape == (SMALL.num_layers, 2, 12, SMALL.num_kv_heads, SMALL.head_dim)
@@ -109,6 +111,7 @@ def test_grouped_query_cache_holds_kv_heads_and_decodes_like_recompute(small_par
   np.testing.assert_array_equal(np.asarray(padded)[1], np.asarray(alone)[0])
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_padding_vocabulary_rows_are_masked_out_of_the_softmax(small_params):
   masked_cfg = dataclasses.replace(SMALL, valid_vocab_size=100)
   tokens = np.random.RandomState(3).randint(0, 100, (2, 8)).astype(np.int32)

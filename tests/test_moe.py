@@ -292,6 +292,7 @@ def test_moe_metrics_reach_metrics_jsonl_and_prometheus(tmp_path):
 # Decoding, configs, planner, bad input.
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_kv_cache_decoding_of_moe_groups_equals_recompute():
   """moe_every = 2 (a (dense, MoE) pair per stacked element, the cache split per layer): cached greedy decoding
   of the capacity-limited model gives the tokens of re-running the whole sequence without a capacity limit

@@ -107,6 +107,7 @@ def test_inter_host_links_slow_the_step():
   assert bubble.bubble == pytest.approx(bubble.compute * 3 / 4)  # (p − 1)/m of the compute
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_cli_reports_and_rejects_bad_input():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   ok = subprocess.run([sys.executable, "-m", "t5x_like.plan", "--gin_file=configs/models/gpt_tiny.gin",

@@ -71,6 +71,7 @@ def float32_run():
 
 
 @pytest.mark.parametrize("dtype,scaling", [("bfloat16", "auto"), ("float16", "auto")])
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_low_precision_trains_like_float32(float32_run, dtype, scaling):
   config = precision.PrecisionConfig(loss_scaling=scaling, initial_scale=2.0**12)
   state, history = run_steps(dtype, config)
@@ -90,6 +91,7 @@ def test_low_precision_trains_like_float32(float32_run, dtype, scaling):
   assert np.linalg.norm(ours_update - ref_update) < UPDATE_RTOL * np.linalg.norm(ref_update)
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_loss_scaled_gradients_equal_unscaled_ones_in_float32(float32_run):
   """In float32, differentiating S·mean and dividing by S only reorders roundings: same losses, gradient
   norms within 1e-6 and parameters within 1e-6 of the unscaled run."""
@@ -123,6 +125,7 @@ def test_policy_auto_scales_only_float16():
     precision.PrecisionConfig(loss_scaling="always").validate()
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_overflow_skips_the_update_and_halves_the_scale():
   """A scale of 3e38 makes the scaled loss overflow float32: the step must leave params and optimizer
   state untouched, halve the scale, and not count as a non-finite (divergence) step."""
@@ -151,6 +154,7 @@ def test_overflow_skips_the_update_and_halves_the_scale():
   assert not np.array_equal(np.asarray(new.params["ln_f"]["scale"]), np.asarray(state.params["ln_f"]["scale"]))
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_poisoned_loss_counts_as_nonfinite_under_loss_scaling():
   config = precision.PrecisionConfig(loss_scaling="dynamic", initial_scale=2.0**10)
   cfg = dataclasses.replace(CFG, dtype="float16")
@@ -163,6 +167,7 @@ def test_poisoned_loss_counts_as_nonfinite_under_loss_scaling():
   jax.tree.map(np.testing.assert_array_equal, new.params, state.params)
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_checkpoint_round_trips_the_loss_scale(tmp_path):
   config = precision.PrecisionConfig(loss_scaling="dynamic", initial_scale=2.0**10, growth_interval=1)
   state, _ = run_steps("float16", config, steps=2)

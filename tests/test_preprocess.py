@@ -208,6 +208,7 @@ def test_empty_glob_is_an_error_naming_it(tmp_path):
     pp.preprocess([str(tmp_path / "nothing-here*.txt")], str(tmp_path / "o"), **KW)
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_cli_bad_input_is_one_line_error(tmp_path):
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
   bad = subprocess.run([sys.executable, "-m", "t5x_like.preprocess", f"--input={tmp_path}/none*",
