@@ -93,6 +93,7 @@ def digest(params) -> str:
 # Warm start from INITIAL_CHECKPOINT_PATH; shape checks; resume from the run's own checkpoint.
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_warm_start_gives_the_base_then_a_resumed_run_continues_from_its_own_checkpoint(corpus, base, tmp_path):
   base_dir, base_params = base
   exp = experiment_lib.Experiment(run_config(tmp_path / "ft", corpus, base=base_dir), TINY, OPT)
@@ -370,9 +371,8 @@ def lora_reference(lora_initial):
   return lora_train(*lora_initial, {"data": 1}, devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize("mesh_shape", [
-    {"data": 2, "fsdp": 2, "tensor": 2},
-    pytest.param({"pipeline": 2, "fsdp": 2, "tensor": 2}, marks=pytest.mark.slow)],
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
+@pytest.mark.parametrize("mesh_shape", [{"data": 2, "fsdp": 2, "tensor": 2}, {"pipeline": 2, "fsdp": 2, "tensor": 2}],
     ids=["data2_fsdp2_tensor2", "pipeline2_fsdp2_tensor2"])
 def test_lora_layout_trains_like_one_device(mesh_shape, lora_initial, lora_reference):
   history, state = lora_train(*lora_initial, mesh_shape)

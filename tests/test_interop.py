@@ -440,6 +440,7 @@ def imported_llama_reference(imported):
   return config, initial, test_parallelism.train(initial, {"data": 1}, devices=jax.devices()[:1], base=config)
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 @pytest.mark.parametrize("layout", ["data2_fsdp2_tensor2", "pipeline2_data2_tensor2"])
 def test_imported_llama_trains_on_every_kind_of_layout_like_one_device(layout, imported_llama_reference):
   """The imported grouped-query Llama (padded vocabulary rows masked) from its converted weights: the

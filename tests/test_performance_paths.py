@@ -47,6 +47,7 @@ def plain_run():
   return test_precision.run_steps("float32")
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 @pytest.mark.parametrize("offload_params", [False, True])
 def test_offloaded_step_equals_the_plain_step_with_state_in_pinned_host(plain_run, offload_params):
   """ZeRO-Offload for real on CPU: AdamW's moments (and with offload_params the float32 master weights)
