@@ -316,9 +316,9 @@ def dpo_initial():
   return initial, reference, dpo_train(initial, reference, {"data": 1}, devices=jax.devices()[:1])
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 @pytest.mark.parametrize("mesh_shape, num_microbatches", [
-    ({"data": 2, "fsdp": 2, "tensor": 2}, 2),
-    pytest.param({"pipeline": 2, "data": 2, "tensor": 2}, 1, marks=pytest.mark.slow)],
+    ({"data": 2, "fsdp": 2, "tensor": 2}, 2), ({"pipeline": 2, "data": 2, "tensor": 2}, 1)],
     ids=["data2_fsdp2_tensor2_m2", "pipeline2_data2_tensor2"])
 def test_dpo_step_on_a_layout_equals_one_device(dpo_initial, mesh_shape, num_microbatches):
   initial, reference, single = dpo_initial

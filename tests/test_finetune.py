@@ -273,6 +273,7 @@ def test_lora_trains_only_the_adapters_and_never_moves_the_base(lora_run, base):
   assert report["params/total"] == lora.count(state.params) + lora.count(base[1])
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_lora_checkpoint_restores_base_plus_adapters_and_merges_to_a_plain_checkpoint(lora_run, corpus, base,
                                                                                        tmp_path):
   exp, state, manager = lora_run["exp"], lora_run["state"], lora_run["manager"]

@@ -90,6 +90,7 @@ def test_scanned_blocks_equal_unrolled_blocks():
   np.testing.assert_allclose(scanned, unrolled, atol=1e-6)
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_donated_step_equals_undonated_step():
   model, tx, lr_fn, state = test_precision.make_state(CFG)
   fn = functools.partial(train_step.train_step, objective=language_model.LanguageModel(model.apply), tx=tx, lr_fn=lr_fn)
