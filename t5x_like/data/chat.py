@@ -266,6 +266,28 @@ class ChatDocuments:
   scores: list = dataclasses.field(default_factory=list)  # per doc: the score_field value (when one is asked)
 
 
+def json_lines(files: Sequence[tuple[str, str]]):
+  """(where "file:line", line) for every non-blank line of `files` ((name, text) each)."""
+  for name, text in files:
+    for number, line in enumerate(text.splitlines(), 1):
+      if line.strip():
+        yield f"{name}:{number}", line
+
+
+def count_malformed(counts: collections.Counter, examples: list, where: str, error: MalformedLine, kind: str) -> None:
+  """Counts a malformed line under dropped_malformed_<reason>; names the first EXAMPLES_KEPT (file:line)."""
+  counts[f"dropped_malformed_{error.reason}"] += 1
+  if len(examples) < EXAMPLES_KEPT:
+    examples.append(f"{where}: {error}")
+    log.warning("Skipping malformed %s line %s: %s", kind, where, error)
+
+
+def warn_malformed_total(counts: collections.Counter, examples: list, kind: str) -> None:
+  malformed = sum(v for k, v in counts.items() if k.startswith("dropped_malformed_"))
+  if malformed > len(examples):
+    log.warning("%d malformed %s lines in all (the first %d named above)", malformed, kind, len(examples))
+
+
 def read_conversations(files: Sequence[tuple[str, str]], encoder: ChatEncoder,
                        max_tokens: int | None = None, score_field: str | None = None) -> ChatDocuments:
   """Parses, renders and length-checks every JSON line of `files`.
@@ -282,31 +304,23 @@ def read_conversations(files: Sequence[tuple[str, str]], encoder: ChatEncoder,
     counts["dropped_malformed_<reason>"] / ["dropped_too_long"] (and ["changed_truncated"] when cut).
   """
   out = ChatDocuments()
-  for name, text in files:
-    for number, line in enumerate(text.splitlines(), 1):
-      if not line.strip():
+  for where, line in json_lines(files):
+    out.counts["documents_in"] += 1
+    try:
+      obj = load_line(line)
+      doc = encoder.render(parse_conversation(obj))
+    except MalformedLine as e:
+      count_malformed(out.counts, out.malformed_lines, where, e, "chat")
+      continue
+    score = ordering.field_score(obj, score_field, where) if score_field else None
+    if max_tokens is not None and len(doc.ids) > max_tokens:
+      doc = truncate(doc, max_tokens, encoder.tokenizer.eos_id)
+      if doc is None:
+        out.counts["dropped_too_long"] += 1
         continue
-      out.counts["documents_in"] += 1
-      try:
-        obj = load_line(line)
-        doc = encoder.render(parse_conversation(obj))
-      except MalformedLine as e:
-        out.counts[f"dropped_malformed_{e.reason}"] += 1
-        if len(out.malformed_lines) < EXAMPLES_KEPT:
-          out.malformed_lines.append(f"{name}:{number}: {e}")
-          log.warning("Skipping malformed chat line %s:%d: %s", name, number, e)
-        continue
-      score = ordering.field_score(obj, score_field, f"{name}:{number}") if score_field else None
-      if max_tokens is not None and len(doc.ids) > max_tokens:
-        doc = truncate(doc, max_tokens, encoder.tokenizer.eos_id)
-        if doc is None:
-          out.counts["dropped_too_long"] += 1
-          continue
-        out.counts["changed_truncated"] += 1
-      if score_field:
-        out.scores.append(score)
-      out.docs.append(doc)
-  malformed = sum(v for k, v in out.counts.items() if k.startswith("dropped_malformed_"))
-  if malformed > len(out.malformed_lines):
-    log.warning("%d malformed chat lines in all (the first %d named above)", malformed, len(out.malformed_lines))
+      out.counts["changed_truncated"] += 1
+    if score_field:
+      out.scores.append(score)
+    out.docs.append(doc)
+  warn_malformed_total(out.counts, out.malformed_lines, "chat")
   return out

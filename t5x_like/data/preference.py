@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import logging
 from typing import Sequence
 
 import numpy as np
@@ -30,7 +29,6 @@ from t5x_like.data import chat
 from t5x_like.data import packing
 from t5x_like.data import shard_writer
 
-log = logging.getLogger(__name__)
 
 KEYS = ("prompt", "chosen", "rejected")
 # Why a line is not used, beyond chat.MALFORMED_REASONS; counted as dropped_malformed_<reason>.
@@ -125,27 +123,18 @@ def read_pairs(files: Sequence[tuple[str, str]], encoder: chat.ChatEncoder, max_
   file:line. Blank lines are skipped.
   """
   out = PreferencePairs()
-  for name, text in files:
-    for number, line in enumerate(text.splitlines(), 1):
-      if not line.strip():
-        continue
-      out.counts["documents_in"] += 1
-      try:
-        pair = render_pair(encoder, chat.load_line(line))
-      except chat.MalformedLine as e:
-        out.counts[f"dropped_malformed_{e.reason}"] += 1
-        if len(out.malformed_lines) < chat.EXAMPLES_KEPT:
-          out.malformed_lines.append(f"{name}:{number}: {e}")
-          log.warning("Skipping malformed preference line %s:%d: %s", name, number, e)
-        continue
-      if len(pair) > max_tokens:
-        out.counts["dropped_too_long"] += 1
-        continue
-      out.pairs.append(pair)
-  malformed = sum(v for k, v in out.counts.items() if k.startswith("dropped_malformed_"))
-  if malformed > len(out.malformed_lines):
-    log.warning("%d malformed preference lines in all (the first %d named above)", malformed,
-                len(out.malformed_lines))
+  for where, line in chat.json_lines(files):
+    out.counts["documents_in"] += 1
+    try:
+      pair = render_pair(encoder, chat.load_line(line))
+    except chat.MalformedLine as e:
+      chat.count_malformed(out.counts, out.malformed_lines, where, e, "preference")
+      continue
+    if len(pair) > max_tokens:
+      out.counts["dropped_too_long"] += 1
+      continue
+    out.pairs.append(pair)
+  chat.warn_malformed_total(out.counts, out.malformed_lines, "preference")
   return out
 
 
