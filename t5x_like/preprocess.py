@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from t5x_like import cli
 from t5x_like.data import chat
+from t5x_like.data import data_dir
 from t5x_like.data import preprocessing
 from t5x_like.data.text_cleaning import CleaningConfig
 
@@ -110,7 +111,7 @@ def main(argv) -> None:
   except (ValueError, FileNotFoundError, OSError, tf.errors.OpError) as e:
     reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise SystemExit(f"preprocess: error: {reason}") from None
-  print(preprocessing.format_report(report))
+  print(data_dir.format_report(report))
 
 
 if __name__ == "__main__":

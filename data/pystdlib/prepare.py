@@ -48,7 +48,8 @@ def stdlib_files(max_bytes: int, include_tests: bool = False) -> list[str]:
 def main(argv) -> None:
   del argv
   logging.basicConfig(level=logging.INFO, format="%(message)s")
-  from t5x_like.data import preprocessing as preprocess  # pylint: disable=g-import-not-at-top  (after flag parsing)
+  from t5x_like.data import data_dir  # pylint: disable=g-import-not-at-top  (after flag parsing)
+  from t5x_like.data import preprocessing as preprocess  # pylint: disable=g-import-not-at-top
   files = stdlib_files(int(_MAX_MB.value * 2**20), _INCLUDE_TESTS.value)
   logging.info("Corpus: %d files, %.1f MB from %s", len(files),
                sum(map(os.path.getsize, files)) / 2**20, sysconfig.get_paths()["stdlib"])
@@ -57,7 +58,7 @@ def main(argv) -> None:
       validation_fraction=_VALIDATION_FRACTION.value, pack_length=_PACK_LENGTH.value,
       max_tokenizer_chars=int(_MAX_TOKENIZER_MB.value * 2**20), num_workers=_NUM_WORKERS.value or None,
       seed=_SEED.value, doc_split="file")
-  print(preprocess.format_report(report))
+  print(data_dir.format_report(report))
   print(f"DATA_DIR={_OUTPUT_DIR.value}")
 
 

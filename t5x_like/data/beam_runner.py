@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from t5x_like.data import packing
+from t5x_like.data import data_dir
 from t5x_like.data import preprocessing as pp
 from t5x_like.data import shard_writer
 from t5x_like.data import text_cleaning
@@ -168,7 +169,7 @@ def run(inputs: Sequence[str] | str, output_dir: str, *, runner: str = "DirectRu
     raise ValueError(f"No documents left after cleaning {len(files)} input file(s)")
   tok.save(shard_writer.join(output_dir, tok.filename))
   shard_writer.remove_stale(output_dir, [s["path"] for sp in splits.values() for s in sp["shards"]])
-  report = pp.make_report(counts, splits, documents_out)
+  report = data_dir.make_report(counts, splits, documents_out)
   extra = {"cleaning": dataclasses.asdict(cleaning), "doc_split": doc_split,
            "text_field": text_field, "inputs": len(files), "runner": runner}
   stats = {k: v for k, v in report.items() if k not in ("documents_tokenized", "cache_hits")}

@@ -9,7 +9,6 @@ import hashlib
 import logging
 import multiprocessing
 import os
-import sys
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -17,9 +16,9 @@ import numpy as np
 import tensorflow as tf
 
 from t5x_like.data import chat
+from t5x_like.data import data_dir
 from t5x_like.data import input_pipeline
 from t5x_like.data import ordering
-from t5x_like.data import packing
 from t5x_like.data import preference
 from t5x_like.data.tokenization_cache import CACHE_VERSION as _CACHE_VERSION
 from t5x_like.data.tokenization_cache import Cache
@@ -172,6 +171,22 @@ def resolve_tokenizer_path(path: str) -> str:
   return path
 
 
+def read_json_lines_inputs(inputs: Sequence[str] | str, tokenizer: str | None, data_format: str, whose: str):
+  """The JSON-lines inputs of a chat or preference DATA_DIR: (files, the given tokenizer, [(file, text)], the
+  counts so far: invalid UTF-8 replaced); a missing --tokenizer or a non-JSON-lines file is a ValueError."""
+  if not tokenizer:
+    raise ValueError(f"--format={data_format} needs --tokenizer: {whose} DATA_DIR, .model or tokenizer.json")
+  files = expand_inputs(inputs)
+  for f in files:
+    if input_kind(f) != "jsonl":
+      raise ValueError(f"--format={data_format} reads JSON lines: --input file '{f}' is not *.jsonl / *.json(.gz)")
+  tok = get_tokenizer(files, None, {"tokenizer": resolve_tokenizer_path(tokenizer)}, Cache(None), 1)
+  counts = collections.Counter()
+  texts = [(f, text_cleaning.fix_invalid_utf8(text_cleaning.decode_utf8(read_input(f)), "replace", counts))
+           for f in files]
+  return files, tok, texts, counts
+
+
 def preprocess_chat(inputs: Sequence[str] | str, output_dir: str, *, tokenizer: str | None,
                     template: chat.ChatTemplate = chat.ChatTemplate(), train_on_prompt: bool = False,
                     max_tokens: int | None = None, num_train_shards: int = 4,
@@ -192,21 +207,12 @@ def preprocess_chat(inputs: Sequence[str] | str, output_dir: str, *, tokenizer: 
     order: sort the train split by length or by a numeric field of each line (`preprocess`'s order_by).
     Others: as `preprocess`.
   """
-  if not tokenizer:
-    raise ValueError("--format=chat needs --tokenizer: the base model's DATA_DIR, .model or tokenizer.json")
   if max_tokens is None:
     max_tokens = pack_length
   elif max_tokens < 2 or (pack_length and max_tokens > pack_length):
     raise ValueError(f"--max_tokens={max_tokens} must be >= 2 and <= --pack_length={pack_length}")
-  files = expand_inputs(inputs)
-  for f in files:
-    if input_kind(f) != "jsonl":
-      raise ValueError(f"--format=chat reads JSON lines: --input file '{f}' is not *.jsonl / *.json(.gz)")
-  tok = get_tokenizer(files, None, {"tokenizer": resolve_tokenizer_path(tokenizer)}, Cache(None), 1)
+  files, tok, texts, counts = read_json_lines_inputs(inputs, tokenizer, "chat", "the base model's")
   encoder = chat.ChatEncoder(tok, template, train_on_prompt=train_on_prompt)
-  counts = collections.Counter()
-  texts = [(f, text_cleaning.fix_invalid_utf8(text_cleaning.decode_utf8(read_input(f)), "replace", counts))
-           for f in files]
   result = chat.read_conversations(texts, encoder, max_tokens, score_field=order and order.field)
   counts.update(result.counts)
   docs, weights, hashes, scores, seen = [], [], [], [], set()
@@ -223,10 +229,10 @@ def preprocess_chat(inputs: Sequence[str] | str, output_dir: str, *, tokenizer: 
       scores.append(result.scores[k])
   if not docs:
     raise ValueError(f"No conversations left in {len(files)} input file(s) (dropped: "
-                     f"{_by_prefix(counts, 'dropped_')}; first: {result.malformed_lines[:1]})")
+                     f"{data_dir.by_prefix(counts, 'dropped_')}; first: {result.malformed_lines[:1]})")
   extra = {"inputs": len(files), "chat_template": dataclasses.asdict(template),
            "train_on_prompt": train_on_prompt, "max_tokens": max_tokens}
-  report = write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed, num_train_shards,
+  report = data_dir.write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed, num_train_shards,
                           num_validation_shards, pack_length, counts, extra, weights=weights, order=order,
                           scores=scores if order and order.field else None)
   report["malformed_lines"] = result.malformed_lines
@@ -244,18 +250,9 @@ def preprocess_preference(inputs: Sequence[str] | str, output_dir: str, *, token
   the first few named by file:line; pairs longer than a row are dropped (dropped_too_long); exact
   duplicate pairs are dropped.
   """
-  if not tokenizer:
-    raise ValueError("--format=preference needs --tokenizer: the policy's DATA_DIR, .model or tokenizer.json")
-  if not pack_length:
+  if tokenizer and not pack_length:
     raise ValueError("--format=preference needs --pack_length=SEQ_LEN+1: its rows hold whole pairs")
-  files = expand_inputs(inputs)
-  for f in files:
-    if input_kind(f) != "jsonl":
-      raise ValueError(f"--format=preference reads JSON lines: --input file '{f}' is not *.jsonl / *.json(.gz)")
-  tok = get_tokenizer(files, None, {"tokenizer": resolve_tokenizer_path(tokenizer)}, Cache(None), 1)
-  counts = collections.Counter()
-  texts = [(f, text_cleaning.fix_invalid_utf8(text_cleaning.decode_utf8(read_input(f)), "replace", counts))
-           for f in files]
+  files, tok, texts, counts = read_json_lines_inputs(inputs, tokenizer, "preference", "the policy's")
   result = preference.read_pairs(texts, chat.ChatEncoder(tok, template), pack_length)
   counts.update(result.counts)
   pairs, seen = [], set()
@@ -267,12 +264,12 @@ def preprocess_preference(inputs: Sequence[str] | str, output_dir: str, *, token
     pairs.append(pair)
   if not pairs:
     raise ValueError(f"No preference pairs left in {len(files)} input file(s) (dropped: "
-                     f"{_by_prefix(counts, 'dropped_')}; first: {result.malformed_lines[:1]})")
+                     f"{data_dir.by_prefix(counts, 'dropped_')}; first: {result.malformed_lines[:1]})")
   extra = {"inputs": len(files), "chat_template": dataclasses.asdict(template)}
   path, manifest, splits, most = preference.write_data_dir(
       output_dir, tok, pairs, pack_length=pack_length, validation_fraction=validation_fraction, seed=seed,
       num_train_shards=num_train_shards, num_validation_shards=num_validation_shards, counts=counts, extra=extra)
-  report = make_report(counts, splits, len(pairs))
+  report = data_dir.make_report(counts, splits, len(pairs))
   report["max_pairs_per_row"] = most
   manifest["stats"] = {k: v for k, v in report.items() if k not in ("documents_tokenized", "cache_hits")}
   shard_writer.write_json(path, manifest)
@@ -386,8 +383,8 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
         scores.append(float(r.scores[j]))
   if not docs:
     raise ValueError(f"No documents left after cleaning {len(files)} input file(s) "
-                     f"(dropped: {_by_prefix(counts, 'dropped_')})")
-  report = write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed,
+                     f"(dropped: {data_dir.by_prefix(counts, 'dropped_')})")
+  report = data_dir.write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed,
                           num_train_shards, num_validation_shards, pack_length, counts,
                           extra={"cleaning": dataclasses.asdict(cleaning), "doc_split": doc_split,
                                  "text_field": text_field, "inputs": len(files)},
@@ -398,90 +395,3 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
                 tokens_per_s=round(report["tokens"] / max(elapsed, 1e-9)),
                 num_workers=num_workers)
   return report
-
-
-def _by_prefix(counts, prefix: str) -> dict:
-  return {k[len(prefix):]: v for k, v in sorted(counts.items()) if k.startswith(prefix) and v}
-
-
-def write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed, num_train_shards,
-                   num_validation_shards, pack_length, counts, extra, weights=None,
-                   order: ordering.OrderSpec | None = None, scores=None) -> dict:
-  """Splits, shards and writes documents, then the tokenizer and manifest (manifest last).
-
-  `weights`: one loss-weight array per document (a chat DATA_DIR), or None (text).
-  `order`: write the splits in `ordering.ORDERED_SPLITS` sorted by length, or by `scores` (one per
-  document) for a field order; None: every split by the seeded shard plan.
-  """
-  tf.io.gfile.makedirs(output_dir)
-  manifest_path = shard_writer.join(output_dir, shard_writer.MANIFEST)
-  if tf.io.gfile.exists(manifest_path):  # an interrupted rewrite must not leave a valid manifest
-    tf.io.gfile.remove(manifest_path)
-  is_val = shard_writer.split_documents(hashes, validation_fraction, seed)
-  packed_dtype = packing.packed_dtype(tok.vocab_size, pack_length or 0)
-  splits, score_range = {}, {}
-  for split, mask, n in (("train", ~is_val, num_train_shards),
-                         ("validation", is_val, num_validation_shards)):
-    split_docs = [d for d, m in zip(docs, mask) if m]
-    split_weights = None if weights is None else [w for w, m in zip(weights, mask) if m]
-    if order is not None and split in ordering.ORDERED_SPLITS:
-      split_scores = (np.array([len(d) for d in split_docs], np.float64) if scores is None
-                      else np.array([x for x, m in zip(scores, mask) if m], np.float64))
-      index = ordering.sorted_indices(split_scores, [h for h, m in zip(hashes, mask) if m])
-      if len(index):
-        score_range[split] = {"first": float(split_scores[index[0]]), "last": float(split_scores[index[-1]])}
-      shards = shard_writer.write_ordered_shards(
-          output_dir, split, [split_docs[j] for j in index], n, pack_length, tok.pad_id, tok.eos_id,
-          packed_dtype, None if weights is None else [split_weights[j] for j in index])
-    else:
-      plan = shard_writer.plan_shards([len(d) for d in split_docs], n, seed)
-      shards = [shard_writer.write_shard(output_dir, shard_writer.shard_name(split, i, n),
-                                         [split_docs[j] for j in plan[i]], pack_length, tok.pad_id,
-                                         tok.eos_id, packed_dtype,
-                                         None if weights is None else [split_weights[j] for j in plan[i]])
-                for i in range(n)]
-    splits[split] = shard_writer.split_entry(shards)
-    if weights is not None:  # the pipeline warns when conversations are longer than its rows
-      splits[split]["max_document_tokens"] = max((len(d) for d in split_docs), default=0)
-  tok.save(shard_writer.join(output_dir, tok.filename))
-  shard_writer.remove_stale(output_dir, [s["path"] for sp in splits.values() for s in sp["shards"]])
-  report = make_report(counts, splits, len(docs))
-  if order is not None:
-    extra = dict(extra, order=order.manifest_entry())
-    report["order"] = {"by": order.by, **{f"{split}_{k}": v for split, r in score_range.items()
-                                           for k, v in r.items()}}
-  stats = {k: v for k, v in report.items() if k not in ("documents_tokenized", "cache_hits")}
-  manifest = shard_writer.make_manifest(tok, splits, pack_length, dict(extra, seed=seed, stats=stats),
-                                        data_format="text" if weights is None else "chat")
-  shard_writer.write_json(manifest_path, manifest)
-  return report
-
-
-def make_report(counts: collections.Counter, splits: dict, documents_out: int) -> dict:
-  """The counts every runner reports: documents in/out, tokens, dropped/changed by rule."""
-  keys = ("num_documents", "num_tokens", "num_records")
-  return {
-      "documents_in": counts["documents_in"],
-      "documents_out": documents_out,
-      "tokens": sum(s["num_tokens"] for s in splits.values()),
-      "train": {k: splits["train"][k] for k in keys},
-      "validation": {k: splits["validation"][k] for k in keys},
-      "dropped": _by_prefix(counts, "dropped_"),
-      "changed": _by_prefix(counts, "changed_"),
-      "invalid_utf8_bytes": counts["invalid_utf8_bytes"],
-      "documents_with_invalid_utf8": counts["documents_with_invalid_utf8"],
-      "documents_tokenized": counts["documents_tokenized"],
-      "cache_hits": counts["cache_hits"],
-  }
-
-
-def format_report(report: dict) -> str:
-  """A Markdown table of the report's scalar entries and the per-rule counts."""
-  rows = ["| item | value |", "|---|---|"]
-  for k, v in report.items():
-    if isinstance(v, dict):
-      v = ", ".join(f"{a}={b}" for a, b in v.items()) or "-"
-    elif isinstance(v, list):
-      v = "; ".join(str(x).replace("|", "\\|") for x in v) or "-"
-    rows.append(f"| {k} | {v} |")
-  return "\n".join(rows)
