@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 
-from absl import logging as absl_logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -241,13 +240,7 @@ def test_cli_list_inspect_digest_and_errors(tmp_path, capsys, monkeypatch):
   digest = run("digest", str(tmp_path))
   assert digest.returncode == 0, digest.stderr
   assert digest.stdout.strip().splitlines()[-1] == checkpoints.params_digest(state.params)
-  monkeypatch.setattr(sys, "argv", ["checkpoints", "digest", str(tmp_path), "--step", "5"])
-  verbosity = absl_logging.get_verbosity()
-  try:
-    with pytest.raises(SystemExit) as exit_info:
-      checkpoints_cli.run()
-  finally:
-    absl_logging.set_verbosity(verbosity)  # run() quiets absl for the CLI
-  assert exit_info.value.code == 1
+  assert conftest.run_cli_in_process(monkeypatch, checkpoints_cli.run,
+                                     ["checkpoints", "digest", str(tmp_path), "--step", "5"]) == 1
   assert capsys.readouterr().err.strip().splitlines()[-1] == (
       f"error: no committed checkpoint step 5 in {tmp_path}/checkpoints (steps: [4])")

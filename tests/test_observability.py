@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import conftest
+
 from t5x_like import cli as cli_lib
 from t5x_like import plot
 from t5x_like.model import decoder as model_lib
@@ -159,10 +161,9 @@ def test_plot_writes_a_png_of_one_or_several_runs(run, tmp_path, monkeypatch, ca
     for r in run["records"]:
       f.write(json.dumps({**r, **({"loss": r["loss"] + 0.5} if "loss" in r else {})}) + "\n")
   out = str(tmp_path / "curves.png")
-  monkeypatch.setattr(sys, "argv", ["plot", run["model_dir"], str(other), f"--out={out}"])  # the CLI, in-process
-  with pytest.raises(SystemExit) as exit_info:
-    cli_lib.run(plot.main)
-  assert exit_info.value.code in (None, 0)
+  code = conftest.run_cli_in_process(monkeypatch, lambda: cli_lib.run(plot.main),
+                                     ["plot", run["model_dir"], str(other), f"--out={out}"])
+  assert code in (None, 0)
   assert capsys.readouterr().out.strip() == out
   with open(out, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
