@@ -121,13 +121,16 @@ def run_cli_in_process(monkeypatch, run, argv) -> object:
   """Runs a command-line entry point (`run`: what its `__main__` calls, e.g. `cli.run(main)`) in this process
   with sys.argv = argv, absl parsing the flags as a launch would; returns its exit code (None or 0: success).
   Saves a process start (~10 s of imports) where the test needs no process of its own."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(sys, "argv", [str(a) for a in argv])
   verbosity = absl_logging.get_verbosity()
+  flags.FLAGS.unparse_flags()  # every flag at its default, as in a new process (not an earlier run's --step)
   try:
     with pytest.raises(SystemExit) as exit_info:
       run()
   finally:
+    flags.FLAGS.unparse_flags()
     absl_logging.set_verbosity(verbosity)  # the entry points quiet absl for the CLI
   return exit_info.value.code

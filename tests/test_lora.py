@@ -18,7 +18,7 @@ import pytest
 
 from tests import conftest
 from tests import test_parallelism as layouts
-from tests.test_finetune import LORA, OPT, REPO, TINY, model_params, run_config
+from tests.test_finetune import LORA, OPT, REPO, TINY, digest, model_params, random_params, run_config
 from tests.test_finetune import base  # pylint: disable=unused-import  (a fixture this file's tests take)
 
 from t5x_like import checkpoints as checkpoints_cli
