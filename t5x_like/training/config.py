@@ -84,6 +84,10 @@ class LoraConfig:
     return self.alpha / self.rank
 
 
+# ObjectiveConfig.name values: training/objectives/<name>.py (see Experiment.make_objective).
+OBJECTIVES = ("language_model", "preference", "reward", "distill", "grpo")
+
+
 @dataclasses.dataclass(frozen=True)
 class ObjectiveConfig:
   """Which loss trains the model (training/objectives/), bound as `objective.ObjectiveConfig.<field>`."""
@@ -94,10 +98,18 @@ class ObjectiveConfig:
   # preference: the frozen reference model (REFERENCE_CHECKPOINT_PATH): a MODEL_DIR, checkpoints/<step> or
   # converted checkpoint; '' = CheckpointConfig.warm_start_from (INITIAL_CHECKPOINT_PATH)
   reference_checkpoint: str = ""
+  # grpo (configs/runs/grpo.gin): `beta` is the KL coefficient to the frozen reference (0 = no reference loaded)
+  num_generations: int = 8  # G: samples per prompt (a group); BATCH_SIZE = prompts per step × G
+  clip_epsilon: float = 0.2  # the policy ratio is clipped to [1 − ε, 1 + ε]
+  reward: str = "exact_match"  # a registered reward function (training/rewards.py): exact_match, format, reward_model
+  reward_format: str = ""  # the `format` reward's regex: 1 when the whole completion matches it
+  max_new_tokens: int = 16  # rollout length budget per completion
+  temperature: float = 1.0  # rollout sampling temperature (top_k below; evaluation is greedy)
+  top_k: int = 0
 
   def __post_init__(self):
-    if self.name not in ("language_model", "preference"):
-      raise ValueError(f"ObjectiveConfig.name must be 'language_model' or 'preference', got {self.name!r}")
+    if self.name not in OBJECTIVES:
+      raise ValueError(f"ObjectiveConfig.name must be one of {OBJECTIVES}, got {self.name!r}")
 
 
 # Named TrainConfig.trainable values (any other value is a regex over parameter paths).
