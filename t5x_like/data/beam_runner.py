@@ -14,9 +14,11 @@ from apache_beam.options.pipeline_options import PipelineOptions
 import numpy as np
 import tensorflow as tf
 
-from t5x_like.data import packing
 from t5x_like.data import data_dir
+from t5x_like.data import near_dedup
+from t5x_like.data import packing
 from t5x_like.data import preprocessing as pp
+from t5x_like.data import quality_filters
 from t5x_like.data import shard_writer
 from t5x_like.data import text_cleaning
 from t5x_like.data import tokenizer_formats
@@ -26,25 +28,17 @@ log = logging.getLogger(__name__)
 _PARTS = ".beam-parts"  # per-shard manifest entries and counts, read back by the driver
 
 
-class _TokenizeFile(beam.DoFn):
-  """(file index, path) -> ((file index, doc index), hash, tokens) per kept document."""
-
-  def __init__(self, model_proto, cleaning, doc_split, text_field, eos_id):
-    self._args = (model_proto, cleaning, doc_split, text_field, eos_id)
-    self._sp = None
-
-  def setup(self):
-    self._sp = tokenizer_formats.encoder(self._args[0])
-
-  def process(self, element):
-    index, path = element
-    _, cleaning, doc_split, text_field, eos_id = self._args
-    docs = text_cleaning.process_file(pp.read_input(path), pp.input_kind(path), cleaning, doc_split,
-                                      text_field, self._sp, eos_id)
-    offsets = np.concatenate([[0], np.cumsum(docs.lengths)])
-    for j in range(len(docs.lengths)):
-      yield (docs.hashes[j].tobytes(), ((index, j), docs.tokens[offsets[j]:offsets[j + 1]]))
-    yield beam.pvalue.TaggedOutput("counts", dict(docs.counts))
+def _scan_file(element, cleaning, doc_split, text_field):
+  """(file index, path) -> (hash, ((file index, doc index), text, signature)) per document; its counts and
+  examples tagged."""
+  index, path = element
+  scan = text_cleaning.scan_file(pp.read_raw(path), pp.input_kind(path), cleaning, doc_split, text_field,
+                                 name=path)
+  for j, text in enumerate(scan.texts):
+    sig = None if scan.signatures is None else scan.signatures[j]
+    yield (scan.hashes[j].tobytes(), ((index, j), text, sig))
+  yield beam.pvalue.TaggedOutput("counts", dict(scan.counts))
+  yield beam.pvalue.TaggedOutput("examples", (index, scan.examples))
 
 
 def _first_of_duplicates(element, dedup: bool):
@@ -52,16 +46,53 @@ def _first_of_duplicates(element, dedup: bool):
   doc_hash, docs = element
   docs = sorted(docs, key=lambda d: d[0])
   keep = docs[:1] if dedup else docs
-  for order, tokens in keep:
-    yield order, doc_hash, tokens
+  for order, text, sig in keep:
+    yield order, doc_hash, text, sig
   if len(docs) > len(keep):
     yield beam.pvalue.TaggedOutput("counts", {"dropped_duplicate": len(docs) - len(keep)})
 
 
-def _plan(metadata, validation_fraction, seed, num_shards):
+def _near_duplicates(docs, config):
+  """The orders of the near-duplicates among the unique documents (near_dedup.find_near_duplicates over
+  all signatures in input order, on one worker: the same walk as the local runner)."""
+  if not config.enabled:
+    return []
+  docs = sorted((order, sig) for order, _, _, sig in docs)
+  sigs = np.stack([sig for _, sig in docs]) if docs else np.zeros([0, config.num_perm], np.uint64)
+  return sorted(docs[k][0] for k in near_dedup.find_near_duplicates(sigs, config))
+
+
+class _Tokenize(beam.DoFn):
+  """(order, hash, text, signature) of a kept document -> (order, hash, tokens); near-duplicates dropped."""
+
+  def __init__(self, model_proto, eos_id):
+    self._model, self._eos_id, self._sp = model_proto, eos_id, None
+
+  def setup(self):
+    self._sp = tokenizer_formats.encoder(self._model)
+
+  def process(self, element, near):
+    order, doc_hash, text, _ = element
+    if order in near:
+      yield beam.pvalue.TaggedOutput("dropped", (order, text))
+      return
+    tokens, _ = text_cleaning.tokenize_texts([text], self._sp, self._eos_id)
+    yield order, doc_hash, tokens
+
+
+def _examples(file_examples, dropped):
+  """The report's examples: per input in input order, then the near-duplicates in input order."""
+  examples = quality_filters.merge_examples(e for _, e in sorted(file_examples, key=lambda x: x[0]))
+  for _, text in sorted(dropped, key=lambda x: x[0]):
+    quality_filters.note(examples, "near_duplicate", text)
+  return examples
+
+
+def _plan(metadata, validation_fraction, seed, num_shards, min_validation):
   """Same split and shard plan as the local runner: {order: (split, shard, position)}."""
   metadata = sorted(metadata)  # (order, hash, length) in input order
-  is_val = shard_writer.split_documents([h for _, h, _ in metadata], validation_fraction, seed)
+  is_val = shard_writer.split_documents([h for _, h, _ in metadata], validation_fraction, seed,
+                                        [n for _, _, n in metadata], *min_validation)
   plan = {}
   for split, mask in (("train", ~is_val), ("validation", is_val)):
     rows = [m for m, v in zip(metadata, mask) if v]
@@ -88,6 +119,10 @@ class _WriteShard(beam.DoFn):
                                                  dtype)
 
 
+def _write_parts(entries, path, counts, examples):
+  shard_writer.write_json(path, {"entries": entries, "counts": counts, "examples": examples})
+
+
 def _sum_counts(dicts):
   total = collections.Counter()
   for d in dicts:
@@ -102,12 +137,15 @@ def run(inputs: Sequence[str] | str, output_dir: str, *, runner: str = "DirectRu
         num_validation_shards: int = 1, validation_fraction: float = 0.01, seed: int = 0,
         text_field: str = "text", doc_split: str = "file",
         cleaning: CleaningConfig = CleaningConfig(), pack_length: int | None = None,
-        num_workers: int | None = None, cache_dir: str | None = "", progress: bool = True) -> dict:
+        num_workers: int | None = None, cache_dir: str | None = "", progress: bool = True,
+        min_validation_documents: int = 16, min_validation_tokens: int = 8192) -> dict:
   """Writes the same DATA_DIR as `preprocess.preprocess` with a Beam runner; returns the report.
 
   The tokenizer is loaded or trained on the driver first (pass `tokenizer` for corpora too big
-  for one machine). Documents, de-duplication, the split and shard plan, and the shard writes
-  run in Beam; the driver then writes tokenizer.model and manifest.json.
+  for one machine). Reading, cleaning and filtering, exact de-duplication, tokenization of the
+  survivors, the split and shard plan, and the shard writes run in Beam; the near-duplicate walk
+  (`near_dedup.find_near_duplicates`, order-dependent) runs on one worker over all signatures
+  (num_perm × 8 bytes per document). The driver then writes tokenizer.model and manifest.json.
 
   Args:
     runner: a Beam runner name; `pipeline_args` are its options (e.g. ["--project=p"]).
@@ -132,30 +170,42 @@ def run(inputs: Sequence[str] | str, output_dir: str, *, runner: str = "DirectRu
   num_shards = {"train": num_train_shards, "validation": num_validation_shards}
   parts = shard_writer.join(output_dir, _PARTS)
   options = PipelineOptions(list(pipeline_args), runner=runner, pipeline_type_check=False)
+  min_validation = (min_validation_documents, min_validation_tokens)
   with beam.Pipeline(options=options) as p:
-    docs, counts = (p | "Inputs" >> beam.Create(list(enumerate(files)))
-                    | "Reshuffle" >> beam.Reshuffle()
-                    | "Tokenize" >> beam.ParDo(_TokenizeFile(tok.encoder_model, cleaning, doc_split,
-                                                             text_field, tok.eos_id))
-                    .with_outputs("counts", main="docs"))
+    docs, counts, file_examples = (
+        p | "Inputs" >> beam.Create(list(enumerate(files)))
+        | "Reshuffle" >> beam.Reshuffle()
+        | "Scan" >> beam.FlatMap(_scan_file, cleaning, doc_split, text_field)
+        .with_outputs("counts", "examples", main="docs"))
     unique, dup_counts = (docs | "ByHash" >> beam.GroupByKey()
                           | "Dedup" >> beam.FlatMap(_first_of_duplicates, cleaning.dedup)
                           .with_outputs("counts", main="docs"))
-    plan = (unique | "Meta" >> beam.Map(lambda d: (d[0], d[1], len(d[2])))
+    near = (unique | "AllSignatures" >> beam.combiners.ToList()
+            | "NearDuplicates" >> beam.Map(_near_duplicates, cleaning.near_dedup))
+    tokenized, dropped = (unique | "Tokenize" >> beam.ParDo(_Tokenize(tok.encoder_model, tok.eos_id),
+                                                            near=beam.pvalue.AsSingleton(near))
+                          .with_outputs("dropped", main="docs"))
+    near_counts = dropped | "CountNear" >> beam.combiners.Count.Globally() | beam.Map(
+        lambda n: {"dropped_near_duplicate": n, "documents_tokenized": 0})
+    tokenized_counts = tokenized | "CountTokenized" >> beam.combiners.Count.Globally() | beam.Map(
+        lambda n: {"documents_tokenized": n})
+    examples = (file_examples | "AllExamples" >> beam.combiners.ToList()
+                | "Examples" >> beam.Map(_examples, dropped=beam.pvalue.AsList(dropped)))
+    plan = (tokenized | "Meta" >> beam.Map(lambda d: (d[0], d[1], len(d[2])))
             | "AllMeta" >> beam.combiners.ToList()
-            | "Plan" >> beam.Map(_plan, validation_fraction, seed, num_shards))
-    keyed = unique | "Assign" >> beam.Map(
+            | "Plan" >> beam.Map(_plan, validation_fraction, seed, num_shards, min_validation))
+    keyed = tokenized | "Assign" >> beam.Map(
         lambda d, plan: ((plan[d[0]][0], plan[d[0]][1]), (plan[d[0]][2], d[2])),
         plan=beam.pvalue.AsSingleton(plan))
     every_shard = p | "ShardKeys" >> beam.Create(
         [((s, i), None) for s, n in num_shards.items() for i in range(n)])
     entries = ((keyed, every_shard) | beam.Flatten() | "ByShard" >> beam.GroupByKey()
                | "Write" >> beam.ParDo(_WriteShard(output_dir, num_shards, pack_length, tok)))
-    totals = ((counts, dup_counts) | "AllCounts" >> beam.Flatten()
+    totals = ((counts, dup_counts, near_counts, tokenized_counts) | "AllCounts" >> beam.Flatten()
               | "SumCounts" >> beam.CombineGlobally(_sum_counts))
     _ = (entries | "AllEntries" >> beam.combiners.ToList()
-         | "Parts" >> beam.Map(lambda e, c: shard_writer.write_json(parts, {"entries": e, "counts": c}),
-                               c=beam.pvalue.AsSingleton(totals)))
+         | "Parts" >> beam.Map(_write_parts, parts, counts=beam.pvalue.AsSingleton(totals),
+                               examples=beam.pvalue.AsSingleton(examples)))
   with tf.io.gfile.GFile(parts) as f:
     result = json.load(f)
   tf.io.gfile.remove(parts)
@@ -166,15 +216,20 @@ def run(inputs: Sequence[str] | str, output_dir: str, *, runner: str = "DirectRu
     splits[split] = shard_writer.split_entry([by_index[i] for i in range(n)])
   documents_out = sum(s["num_documents"] for s in splits.values())
   if not documents_out:
-    raise ValueError(f"No documents left after cleaning {len(files)} input file(s)")
+    raise ValueError(f"No documents left after cleaning {len(files)} input file(s) "
+                     f"(dropped: {data_dir.by_prefix(counts, 'dropped_')}; examples: {result['examples']})")
   tok.save(shard_writer.join(output_dir, tok.filename))
   shard_writer.remove_stale(output_dir, [s["path"] for sp in splits.values() for s in sp["shards"]])
   report = data_dir.make_report(counts, splits, documents_out)
+  if validation_fraction > 0 and any(min_validation):
+    report["validation_minimum"] = {"documents": min_validation[0], "tokens": min_validation[1],
+                                    "max_fraction": shard_writer.MAX_TOPPED_UP_FRACTION}
   extra = {"cleaning": dataclasses.asdict(cleaning), "doc_split": doc_split,
            "text_field": text_field, "inputs": len(files), "runner": runner}
   stats = {k: v for k, v in report.items() if k not in ("documents_tokenized", "cache_hits")}
   shard_writer.write_json(manifest_path, shard_writer.make_manifest(
       tok, splits, pack_length, dict(extra, seed=seed, stats=stats)))
+  report["filter_examples"] = result["examples"]
   elapsed = time.time() - t0
   report.update(time_s=round(elapsed, 3), tokenizer_s=round(t_tok - t0, 3),
                 tokens_per_s=round(report["tokens"] / max(elapsed, 1e-9)), runner=runner)

@@ -19,18 +19,19 @@ def by_prefix(counts, prefix: str) -> dict:
 
 def write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed, num_train_shards,
                    num_validation_shards, pack_length, counts, extra, weights=None,
-                   order: ordering.OrderSpec | None = None, scores=None) -> dict:
+                   order: ordering.OrderSpec | None = None, scores=None, min_validation=(0, 0)) -> dict:
   """Splits, shards and writes documents, then the tokenizer and manifest (manifest last).
 
   `weights`: one loss-weight array per document (a chat DATA_DIR), or None (text).
   `order`: write the splits in `ordering.ORDERED_SPLITS` sorted by length, or by `scores` (one per
   document) for a field order; None: every split by the seeded shard plan.
+  `min_validation`: (documents, tokens) the validation split is topped up to (shard_writer.split_documents).
   """
   tf.io.gfile.makedirs(output_dir)
   manifest_path = shard_writer.join(output_dir, shard_writer.MANIFEST)
   if tf.io.gfile.exists(manifest_path):  # an interrupted rewrite must not leave a valid manifest
     tf.io.gfile.remove(manifest_path)
-  is_val = shard_writer.split_documents(hashes, validation_fraction, seed)
+  is_val = shard_writer.split_documents(hashes, validation_fraction, seed, [len(d) for d in docs], *min_validation)
   packed_dtype = packing.packed_dtype(tok.vocab_size, pack_length or 0)
   splits, score_range = {}, {}
   for split, mask, n in (("train", ~is_val, num_train_shards),
@@ -59,6 +60,9 @@ def write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed, num
   tok.save(shard_writer.join(output_dir, tok.filename))
   shard_writer.remove_stale(output_dir, [s["path"] for sp in splits.values() for s in sp["shards"]])
   report = make_report(counts, splits, len(docs))
+  if validation_fraction > 0 and any(min_validation):
+    report["validation_minimum"] = {"documents": min_validation[0], "tokens": min_validation[1],
+                                    "max_fraction": shard_writer.MAX_TOPPED_UP_FRACTION}
   if order is not None:
     extra = dict(extra, order=order.manifest_entry())
     report["order"] = {"by": order.by, **{f"{split}_{k}": v for split, r in score_range.items()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import gzip
 import hashlib
 import logging
 import multiprocessing
@@ -18,8 +17,11 @@ import tensorflow as tf
 from t5x_like.data import chat
 from t5x_like.data import data_dir
 from t5x_like.data import input_pipeline
+from t5x_like.data import near_dedup
 from t5x_like.data import ordering
 from t5x_like.data import preference
+from t5x_like.data import quality_filters
+from t5x_like.data import readers
 from t5x_like.data.tokenization_cache import CACHE_VERSION as _CACHE_VERSION
 from t5x_like.data.tokenization_cache import Cache
 from t5x_like.data.tokenization_cache import digest as _digest
@@ -31,15 +33,26 @@ from t5x_like.data.text_cleaning import CleaningConfig
 log = logging.getLogger(__name__)
 
 
+def is_dataset_folder(path: str) -> bool:
+  """A `datasets.Dataset.save_to_disk` folder (state.json + Arrow files)."""
+  return tf.io.gfile.isdir(path) and tf.io.gfile.exists(shard_writer.join(path, readers.HF_STATE))
+
+
 def expand_inputs(patterns: Sequence[str]) -> list[str]:
-  """Expands each glob (any TF filesystem); a pattern matching no file is an error naming it."""
+  """Expands each glob (any TF filesystem) to files and `datasets` folders; a pattern matching none is an
+  error naming it, and so is a DatasetDict folder (name one of its split folders)."""
   if isinstance(patterns, str):
     patterns = [patterns]
   if not patterns:
     raise ValueError("No --input given")
   files = []
   for pattern in patterns:
-    matches = sorted(p for p in tf.io.gfile.glob(pattern) if not tf.io.gfile.isdir(p))
+    found = sorted(tf.io.gfile.glob(pattern))
+    for p in found:
+      if tf.io.gfile.isdir(p) and tf.io.gfile.exists(shard_writer.join(p, readers.HF_DICT)):
+        raise ValueError(f"--input '{p}' is a datasets DatasetDict folder: give one split's folder, e.g. "
+                         f"'{shard_writer.join(p, 'train')}'")
+    matches = [p for p in found if not tf.io.gfile.isdir(p) or is_dataset_folder(p)]
     if not matches:
       raise ValueError(f"--input '{pattern}' matches no file")
     files.extend(m for m in matches if m not in files)
@@ -47,20 +60,27 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
 
 
 def input_kind(path: str) -> str:
-  """"jsonl" for *.jsonl / *.json (optionally .gz), else "text"."""
-  name = path[:-3] if path.endswith(".gz") else path
-  return "jsonl" if name.endswith((".jsonl", ".json")) else "text"
+  """readers.input_kind: "hf_dataset", "jsonl", "parquet", "html" or "text"."""
+  return readers.input_kind(path, is_dir=is_dataset_folder(path))
+
+
+def read_raw(path: str) -> bytes:
+  """An input's bytes as stored (compressed ones compressed); a `datasets` folder's Arrow files, framed."""
+  if is_dataset_folder(path):
+    with tf.io.gfile.GFile(shard_writer.join(path, readers.HF_STATE), "rb") as f:
+      names = readers.hf_dataset_files(f.read(), path)
+    parts = []
+    for name in names:
+      with tf.io.gfile.GFile(shard_writer.join(path, name), "rb") as f:
+        parts.append(f.read())
+    return readers.frame(parts)
+  with tf.io.gfile.GFile(path, "rb") as f:
+    return f.read()
 
 
 def read_input(path: str) -> bytes:
-  with tf.io.gfile.GFile(path, "rb") as f:
-    raw = f.read()
-  if path.endswith(".gz"):
-    try:
-      raw = gzip.decompress(raw)
-    except (OSError, EOFError) as e:
-      raise ValueError(f"Input '{path}' is not valid gzip: {e}") from e
-  return raw
+  """A file's bytes, .gz / .zst uncompressed; a corrupt one is a ValueError naming it."""
+  return readers.decompress(read_raw(path), path)
 
 
 class Progress:
@@ -105,8 +125,9 @@ def _pool_map(fn: Callable, args: Iterator, num_workers: int, initializer, inita
     yield from pool.imap(fn, window)
 
 
-def get_tokenizer(files, file_hashes, opts, cache: Cache, num_workers) -> tokenizer_lib.Tokenizer:
-  """Loads --tokenizer, or a cached one trained on the same inputs, or trains one."""
+def get_tokenizer(files, file_hashes, opts, cache: Cache, num_workers, texts=None) -> tokenizer_lib.Tokenizer:
+  """Loads --tokenizer, or a cached one trained on the same inputs, or trains one (on `texts`, the cleaned
+  documents, when given; else on the inputs read again)."""
   if opts["tokenizer"]:
     tok = tokenizer_lib.load(opts["tokenizer"])
   else:
@@ -116,10 +137,11 @@ def get_tokenizer(files, file_hashes, opts, cache: Cache, num_workers) -> tokeni
       log.info("Tokenizer: cache hit %s", cached)
       tok = tokenizer_lib.Tokenizer.load(cached)
     else:
-      cfg, doc_split, text_field = opts["doc_args"]
-      args = ((read_input(f), input_kind(f), cfg, doc_split, text_field) for f in files)
-      texts = (t for docs in _pool_map(text_cleaning.worker_cleaned_documents, args, num_workers,
-                                       text_cleaning.init_worker, (None,)) for t in docs)
+      if texts is None:
+        cfg, doc_split, text_field = opts["doc_args"]
+        args = ((read_raw(f), input_kind(f), cfg, doc_split, text_field, None, f) for f in files)
+        texts = (t for scan in _pool_map(text_cleaning.worker_scan_file, args, num_workers,
+                                         text_cleaning.init_worker, (None,)) for t in scan.texts)
       t0 = time.time()
       tok = tokenizer_lib.train_tokenizer(texts, cached, **opts["tokenizer_args"])
       log.info("Tokenizer: trained vocab %d in %.1fs", tok.vocab_size, time.time() - t0)
@@ -129,39 +151,41 @@ def get_tokenizer(files, file_hashes, opts, cache: Cache, num_workers) -> tokeni
   return tok
 
 
-def tokenize_inputs(files, file_hashes, tok, cleaning, doc_split, text_field, cache: Cache,
-                    num_workers, progress=True, score_field: str | None = None
-                    ) -> tuple[list[text_cleaning.FileDocuments], collections.Counter]:
-  """Tokenizes every input (cache hits are loaded, not recomputed); returns per-file documents.
+def scan_inputs(files, cleaning, doc_split, text_field, num_workers, score_field=None
+                ) -> list[text_cleaning.FileScan]:
+  """Reads, cleans, filters and hashes every input in worker processes (text_cleaning.scan_file)."""
+  args = ((read_raw(f), input_kind(f), cleaning, doc_split, text_field, score_field, f) for f in files)
+  return list(_pool_map(text_cleaning.worker_scan_file, args, num_workers, text_cleaning.init_worker, (None,)))
 
-  `score_field`: also keep each JSON-lines document's numeric value of this field (--order_by=field:NAME).
-  """
-  counts = collections.Counter()
+
+def tokenize_kept(files, file_hashes, scans, keep, tok, cleaning, doc_split, text_field, cache: Cache,
+                  num_workers, progress=True, score_field=None, counts=None) -> list[tuple[np.ndarray, np.ndarray]]:
+  """(tokens, lengths) of each input's kept documents: cache hits are loaded, the rest tokenized by workers
+  (counted in `counts` as cache_hits and documents_tokenized)."""
+  counts = collections.Counter() if counts is None else counts
   results: list = [None] * len(files)
   todo, keys = [], {}
   bar = Progress("tokenize", len(files), enabled=progress)
   for i, f in enumerate(files):
-    keys[i] = _digest(_CACHE_VERSION, file_hashes[i], tok.encoding_sha256,
-                      dataclasses.asdict(cleaning), doc_split, text_field, input_kind(f),
-                      *([score_field] if score_field else []))
+    keys[i] = _digest(_CACHE_VERSION, file_hashes[i], tok.encoding_sha256, dataclasses.asdict(cleaning),
+                      doc_split, text_field, input_kind(f), score_field,
+                      hashlib.sha256(np.packbits(keep[i]).tobytes()).hexdigest())
     hit = cache.get_docs(keys[i])
-    if hit is not None and (hit.scores is not None or not score_field):
-      hit.counts["documents_tokenized"] = 0  # the cached counts are from the run that did the work
-      results[i] = hit
+    if hit is not None:
+      results[i] = hit.tokens, hit.lengths
       counts["cache_hits"] += 1
       bar.update(1, int(hit.lengths.sum()))
     else:
       todo.append(i)
-  args = ((read_input(files[i]), input_kind(files[i]), cleaning, doc_split, text_field, tok.eos_id,
-           score_field, files[i]) for i in todo)
-  for i, docs in zip(todo, _pool_map(text_cleaning.worker_process_file, args, num_workers,
-                                     text_cleaning.init_worker, (tok.encoder_model,))):
-    results[i] = docs
-    cache.put_docs(keys[i], docs)
-    bar.update(1, int(docs.lengths.sum()))
-  for r in results:
-    counts.update(r.counts)
-  return results, counts
+  args = (([t for t, k in zip(scans[i].texts, keep[i]) if k], tok.eos_id) for i in todo)
+  for i, (tokens, lengths) in zip(todo, _pool_map(text_cleaning.worker_tokenize, args, num_workers,
+                                                  text_cleaning.init_worker, (tok.encoder_model,))):
+    results[i] = tokens, lengths
+    counts["documents_tokenized"] += len(lengths)
+    cache.put_docs(keys[i], text_cleaning.FileDocuments(tokens, lengths, np.zeros([0, 16], np.uint8),
+                                                        collections.Counter()))
+    bar.update(1, int(lengths.sum()))
+  return results
 
 
 def resolve_tokenizer_path(path: str) -> str:
@@ -286,18 +310,28 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
                pack_length: int | None = None, num_workers: int | None = None,
                cache_dir: str | None = "", progress: bool = True, data_format: str = "text",
                chat_template: chat.ChatTemplate = chat.ChatTemplate(), train_on_prompt: bool = False,
-               max_tokens: int | None = None, order_by: str | None = None) -> dict:
-  """Builds a DATA_DIR from text / JSON-lines inputs; returns the report (also in the manifest).
+               max_tokens: int | None = None, order_by: str | None = None,
+               min_validation_documents: int = 16, min_validation_tokens: int = 8192) -> dict:
+  """Builds a DATA_DIR from text / JSON-lines / Parquet / `datasets` inputs; returns the report (also in the
+  manifest).
+
+  Every input is read, cleaned and filtered (quality filters, MinHash hashes) in worker processes; exact and
+  near duplicates are dropped in input order; only then are the survivors tokenized.
 
   Args:
-    inputs: glob patterns. *.jsonl / *.json (optionally .gz) hold one JSON object per line with
-      the text in `text_field`; any other file is plain text split by `doc_split` ("file": one
-      document per file, "blank_line": one per paragraph).
+    inputs: glob patterns. *.jsonl / *.json (optionally .gz / .zst) hold one JSON object per line with
+      the text in `text_field`; *.parquet files and `datasets.save_to_disk` folders hold it in the column
+      `text_field`; *.html pages are one document each, HTML cleaned; any other file is plain text
+      (optionally .gz / .zst) split by `doc_split` ("file": one document per file, "blank_line": one per
+      paragraph). A corrupt compressed or Parquet file is skipped, counted and named in the report.
     output_dir: the DATA_DIR to write (local path or any TF filesystem such as gs://).
     vocab_size, model_type, byte_fallback, character_coverage, max_tokenizer_chars: tokenizer
       training settings, unused when `tokenizer` names an existing .model file.
     num_train_shards, num_validation_shards: shard counts per split.
     validation_fraction: share of documents (chosen by content hash and seed) for validation.
+    min_validation_documents, min_validation_tokens: the validation split is topped up (by the same hash
+      order) to at least this many documents and tokens, never past 10% of the documents; the report
+      states the minimum ("validation_minimum").
     seed: shard assignment and split seed.
     cleaning: the cleaning rules.
     pack_length: write rows of exactly this many tokens (documents concatenated, last row of a
@@ -357,40 +391,47 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
                        "*.jsonl / *.json(.gz)")
   num_workers = num_workers or os.cpu_count() or 1
   cache = Cache(shard_writer.join(output_dir, ".cache") if cache_dir == "" else cache_dir)
-  file_hashes = [hashlib.sha256(read_input(f)).hexdigest() for f in files]
+  file_hashes = [hashlib.sha256(read_raw(f)).hexdigest() for f in files]
+  scans = scan_inputs(files, cleaning, doc_split, text_field, num_workers, score_field)
+  counts = collections.Counter()
+  for scan in scans:
+    counts.update(scan.counts)
+  examples = quality_filters.merge_examples(scan.examples for scan in scans)
+  keep, dedup_counts = near_dedup.select_documents(
+      scans, cleaning.dedup, cleaning.near_dedup, lambda rule, text: quality_filters.note(examples, rule, text))
+  counts.update(dedup_counts)
+  t_scan = time.time()
   opts = {"tokenizer": tokenizer,
           "tokenizer_args": dict(vocab_size=vocab_size, model_type=model_type,
                                  byte_fallback=byte_fallback, character_coverage=character_coverage,
                                  max_training_chars=max_tokenizer_chars),
           "doc_args": (cleaning, doc_split, text_field)}
-  tok = get_tokenizer(files, file_hashes, opts, cache, num_workers)
+  # trained on every cleaned document, duplicates included, as the Beam runner's driver does
+  tok = get_tokenizer(files, file_hashes, opts, cache, num_workers, texts=(t for scan in scans for t in scan.texts))
   t_tok = time.time()
-  per_file, counts = tokenize_inputs(files, file_hashes, tok, cleaning, doc_split, text_field, cache,
-                                     num_workers, progress, score_field)
+  per_file = tokenize_kept(files, file_hashes, scans, keep, tok, cleaning, doc_split, text_field, cache,
+                           num_workers, progress, score_field, counts)
   t_tokenized = time.time()
-  docs, hashes, scores, seen = [], [], [], set()
-  for r in per_file:
-    offsets = np.concatenate([[0], np.cumsum(r.lengths)])
-    for j in range(len(r.lengths)):
-      h = r.hashes[j].tobytes()
-      if cleaning.dedup and h in seen:
-        counts["dropped_duplicate"] += 1
-        continue
-      seen.add(h)
-      docs.append(r.tokens[offsets[j]:offsets[j + 1]])
-      hashes.append(h)
-      if score_field:
-        scores.append(float(r.scores[j]))
+  docs, hashes, scores = [], [], []
+  for scan, mask, (tokens, lengths) in zip(scans, keep, per_file):
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    kept = np.flatnonzero(mask)
+    docs.extend(tokens[offsets[k]:offsets[k + 1]] for k in range(len(kept)))
+    hashes.extend(scan.hashes[j].tobytes() for j in kept)
+    if score_field:
+      scores.extend(float(scan.scores[j]) for j in kept)
   if not docs:
     raise ValueError(f"No documents left after cleaning {len(files)} input file(s) "
-                     f"(dropped: {data_dir.by_prefix(counts, 'dropped_')})")
+                     f"(dropped: {data_dir.by_prefix(counts, 'dropped_')}; examples: {examples})")
   report = data_dir.write_data_dir(output_dir, tok, docs, hashes, validation_fraction, seed,
                           num_train_shards, num_validation_shards, pack_length, counts,
                           extra={"cleaning": dataclasses.asdict(cleaning), "doc_split": doc_split,
                                  "text_field": text_field, "inputs": len(files)},
-                          order=order, scores=scores if score_field else None)
+                          order=order, scores=scores if score_field else None,
+                          min_validation=(min_validation_documents, min_validation_tokens))
+  report["filter_examples"] = examples
   elapsed = time.time() - t0
-  report.update(time_s=round(elapsed, 3), tokenizer_s=round(t_tok - t0, 3),
+  report.update(time_s=round(elapsed, 3), scan_s=round(t_scan - t0, 3), tokenizer_s=round(t_tok - t_scan, 3),
                 tokenize_s=round(t_tokenized - t_tok, 3),
                 tokens_per_s=round(report["tokens"] / max(elapsed, 1e-9)),
                 num_workers=num_workers)

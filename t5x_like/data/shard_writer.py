@@ -38,13 +38,33 @@ def is_validation(doc_hash: bytes, fraction: float, seed: int) -> bool:
   return int.from_bytes(h[:8], "little") < fraction * 2.0**64
 
 
-def split_documents(hashes: Sequence[bytes], fraction: float, seed: int) -> np.ndarray:
-  """Boolean mask of validation documents; at least one when fraction > 0 and there are >= 2 docs."""
+MAX_TOPPED_UP_FRACTION = 0.1  # the validation minimum never takes more than this share of the documents
+
+
+def _split_score(doc_hash: bytes, seed: int) -> bytes:
+  return hashlib.sha256(seed.to_bytes(8, "little", signed=True) + bytes(doc_hash)).digest()
+
+
+def split_documents(hashes: Sequence[bytes], fraction: float, seed: int, lengths: Sequence[int] | None = None,
+                    min_documents: int = 0, min_tokens: int = 0) -> np.ndarray:
+  """Boolean mask of validation documents: those whose seeded content hash falls under `fraction`; at
+  least one when fraction > 0 and there are >= 2 docs. With fraction > 0, topped up in the same hash order
+  to `min_documents` documents and `min_tokens` tokens (`lengths`), but never past MAX_TOPPED_UP_FRACTION
+  of the documents, so small corpora still get a validation split large enough to measure."""
   mask = np.array([is_validation(h, fraction, seed) for h in hashes], bool)
-  if fraction > 0 and len(hashes) >= 2 and not mask.any():
-    scores = [hashlib.sha256(seed.to_bytes(8, "little", signed=True) + bytes(h)).digest()
-              for h in hashes]
-    mask[int(np.argmin(scores))] = True
+  if fraction > 0 and len(hashes) >= 2:
+    order = np.argsort([_split_score(h, seed) for h in hashes], kind="stable")  # lowest score first
+    if not mask.any():
+      mask[order[0]] = True
+    cap = max(int(mask.sum()), int(len(hashes) * MAX_TOPPED_UP_FRACTION))
+    sizes = np.zeros(len(hashes), np.int64) if lengths is None else np.asarray(lengths, np.int64)
+    docs, tokens = int(mask.sum()), int(sizes[mask].sum())
+    for i in order:
+      if docs >= cap or (docs >= min_documents and (lengths is None or tokens >= min_tokens)):
+        break
+      if not mask[i]:
+        mask[i] = True
+        docs, tokens = docs + 1, tokens + int(sizes[i])
   if mask.all() and len(hashes) >= 2:  # keep at least one training document
     mask[0] = False
   return mask
