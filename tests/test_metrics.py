@@ -61,6 +61,24 @@ def test_meter_leaves_the_compile_step_out_of_throughput_and_counts_nonfinite_st
   assert out["memory/host_rss_peak_bytes"] > 0
 
 
+def test_an_evaluation_between_intervals_is_not_subtracted_from_the_next_interval():
+  """A log step, then an evaluation (excluded time) before the next interval's first step: the next interval's
+  step time is its own steps' time, never less (it came out negative when the eval was subtracted)."""
+  meter = metrics.IntervalMeter(tokens_per_step=10, num_devices=1, flops_per_token=1.0, peak_flops_per_device=1.0)
+  meter.begin_step()
+  meter.data_ready()
+  meter.end_step(step_record(1.0, 10), compiling=True)
+  meter.summary()
+  with meter.excluded():  # the eval hook after the log hook
+    time.sleep(0.1)
+  for _ in range(2):
+    meter.begin_step()
+    meter.data_ready()
+    time.sleep(0.02)
+    meter.end_step(step_record(1.0, 10))
+  assert 0.02 <= meter.summary()["step_seconds"] < 0.1
+
+
 def test_progress_line_shows_step_loss_throughput_mfu_and_eta():
   line = metrics.progress_line(40, 100, 3.14159, 12345.6, 0.41, 2.0)
   assert line == "step 40/100  loss 3.1416  12,346 tok/s  MFU 41.0%  ETA 0h02m00s"

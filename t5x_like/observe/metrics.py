@@ -164,8 +164,8 @@ class IntervalMeter:
 
   def begin_step(self) -> None:
     self._t0 = time.perf_counter()
-    if self._interval_start is None:
-      self._interval_start = self._t0
+    if self._interval_start is None:  # time excluded before the interval began (an eval right after a log) is not in it
+      self._interval_start, self._excluded_seconds = self._t0, 0.0
 
   @contextlib.contextmanager
   def excluded(self):
