@@ -25,6 +25,13 @@ class DataConfig:
   # its own streams. 0 = one stream per process (batches then change with the process count).
   data_streams: int = 1
   eval_batches: int = 0  # validation batches per evaluation; 0 = the whole validation split
+  # A weighted mixture of DATA_DIRs read instead of DATA_DIR, e.g. {'/data/web': 0.8, '/data/code': 0.2}
+  # (weights normalised; every source preprocessed with one tokenizer); None = DATA_DIR alone. Each batch
+  # holds each source's share of rows, give or take one (data/mixture.py); eval reports each source's loss.
+  mixture: Optional[Mapping[str, float]] = None
+  # Weights that change during training instead: ((first step, {DATA_DIR: weight}), ...), from step 0, the
+  # first stage naming every DATA_DIR (weight 0 allowed).
+  mixture_stages: tuple = ()
   report_unigram_baseline: bool = False  # with the final eval, log the context-free unigram loss to beat
 
 

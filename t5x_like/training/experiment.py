@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 
 from t5x_like.data import input_pipeline
+from t5x_like.data import mixture as mixture_lib
 from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.model import config as config_lib
 from t5x_like.model import decoder as model_lib
@@ -88,7 +89,11 @@ class Experiment:
     self.config = config
     self.precision_config = precision_config or precision.PrecisionConfig()
     # None without a DATA_DIR: such an Experiment only samples (infer --tokenizer=...).
-    self.manifest = input_pipeline.load_manifest(config.data_dir) if config.data_dir else None
+    # DataConfig.mixture / mixture_stages: several DATA_DIRs (one tokenizer) read instead of DATA_DIR.
+    self.mixture = (mixture_lib.Mixture.create(config.data.mixture, config.data.mixture_stages)
+                    if config.data.mixture or config.data.mixture_stages else None)
+    self.manifest = (self.mixture.manifest if self.mixture else
+                     input_pipeline.load_manifest(config.data_dir) if config.data_dir else None)
     self.mesh = mesh_lib.create_mesh(config.mesh_shape)
     self.model_config = resolve_model_config(model_config, self.manifest, self.mesh, config.seq_len)
     if config.lora.rank and config.lora.dropout:  # the blocks' projections apply it to their adapters' input
@@ -274,14 +279,21 @@ class Experiment:
     if self.manifest is None:
       raise ValueError(_NO_DATA_DIR)
     num_streams = self.config.data.data_streams or jax.process_count()
-    for s in range(num_streams):
-      shards, _ = input_pipeline.host_shards(self.manifest, self.config.data_dir, split, s, num_streams)
-      if not sum(records for _, records in shards):
-        raise ValueError(f"DATA_DIR '{self.config.data_dir}' split '{split}' has too few records for "
-                         f"{num_streams} data streams: stream {s} would read nothing (lower "
-                         f"DataConfig.data_streams or write more shards)")
+    sources = zip(self.mixture.paths, self.mixture.manifests) if self.mixture else [(self.config.data_dir, self.manifest)]
+    for data_dir, manifest in sources:
+      for s in range(num_streams):
+        shards, _ = input_pipeline.host_shards(manifest, data_dir, split, s, num_streams)
+        if not sum(records for _, records in shards):
+          raise ValueError(f"DATA_DIR '{data_dir}' split '{split}' has too few records for "
+                           f"{num_streams} data streams: stream {s} would read nothing (lower "
+                           f"DataConfig.data_streams or write more shards)")
 
     def stream(stream_index, num_streams, batch_size):
+      if self.mixture:  # every source's rows, mixed by weight (repeating)
+        return self.mixture.make_dataset(
+            split, batch_size=batch_size, seq_len=self.config.seq_len, seed=self.config.seed, shuffle=shuffle,
+            shuffle_buffer=self.config.data.shuffle_buffer, order_window=self.config.data.order_window,
+            process_index=stream_index, process_count=num_streams)
       return input_pipeline.make_dataset(
           self.config.data_dir, split, batch_size=batch_size, seq_len=self.config.seq_len,
           seed=self.config.seed, shuffle=shuffle, repeat=repeat, shuffle_buffer=self.config.data.shuffle_buffer,
@@ -290,12 +302,13 @@ class Experiment:
     return global_batch.process_rows(stream, num_streams=num_streams, global_batch_size=self.config.batch_size,
                                      process_index=jax.process_index(), process_count=jax.process_count())
 
-  def eval_dataset(self, split: str = "validation", repeat: bool = True):
+  def eval_dataset(self, split: str = "validation", repeat: bool = True, data_dir: Optional[str] = None):
     """Evaluation batches, identical on any process layout (and the same count on every process): each
-    process reads the whole (small) split in one fixed order and keeps its own rows of each global batch."""
+    process reads the whole (small) split in one fixed order and keeps its own rows of each global batch.
+    `data_dir`: a mixture source's (default DATA_DIR)."""
     rows = self.config.batch_size // jax.process_count()
     first = jax.process_index() * rows
-    ds = input_pipeline.make_dataset(self.config.data_dir, split, batch_size=self.config.batch_size,
+    ds = input_pipeline.make_dataset(data_dir or self.config.data_dir, split, batch_size=self.config.batch_size,
                                      seq_len=self.config.seq_len, seed=self.config.seed, shuffle=False,
                                      repeat=repeat, process_index=0, process_count=1)
     return ds.map(lambda batch: {key: value[first:first + rows] for key, value in batch.items()})
@@ -317,26 +330,33 @@ class Experiment:
                    in_shardings=(self.state_shardings.params, {k: self.batch_sharding for k in self.objective.features},
                                  self.frozen_shardings))
 
-  def num_eval_batches(self, split: str = "validation") -> Optional[int]:
+  def num_eval_batches(self, split: str = "validation", data_dir: Optional[str] = None) -> Optional[int]:
     """DataConfig.eval_batches, else None (one pass over the split) on one process; several processes
     need the same count everywhere, so they use the split's tokens over the tokens per batch."""
     if self.config.data.eval_batches:
       return self.config.data.eval_batches
     if jax.process_count() == 1:
       return None
-    tokens = self.manifest["splits"][split]["num_tokens"]
+    manifest = self.mixture.manifests[self.mixture.paths.index(data_dir)] if data_dir else self.manifest
+    tokens = manifest["splits"][split]["num_tokens"]
     return max(1, tokens // (self.config.batch_size * (self.config.seq_len + 1)))
 
   def global_batch(self, local: dict) -> dict:
     """This process's rows (numpy) → the objective's features as global jax.Arrays on the batch sharding."""
     return global_batch.to_global({k: local[k] for k in self.objective.features}, self.batch_sharding)
 
-  def evaluate(self, params, eval_step=None, split: str = "validation") -> dict:
+  def evaluate(self, params, eval_step=None, split: str = "validation", data_dir: Optional[str] = None) -> dict:
     """The objective's weighted loss over `split` (the whole split, or DataConfig.eval_batches batches;
-    the same batches every time), its perplexity exp(loss), and the objective's metrics."""
+    the same batches every time), its perplexity exp(loss), and the objective's metrics. A mixture's:
+    eval/<source>/* of each source's split, and eval/* over all of them (token-weighted)."""
     eval_step = eval_step or self.jit_eval_step()
-    num_batches = self.num_eval_batches(split)
-    batches = self.eval_dataset(split, repeat=num_batches is not None)
+    if self.mixture and data_dir is None:
+      combined = mixture_lib.combine_evaluations(
+          {name: self.evaluate(params, eval_step, split, data_dir=path)
+           for name, path in zip(self.mixture.names, self.mixture.paths)})
+      return {**combined, "eval/perplexity": metrics_lib.perplexity(combined["eval/loss"])}
+    num_batches = self.num_eval_batches(split, data_dir)
+    batches = self.eval_dataset(split, repeat=num_batches is not None, data_dir=data_dir)
     if num_batches is not None:
       batches = batches.take(num_batches)
     loss_sum, weight_sum, count, metric_sums = 0.0, 0.0, 0, {}

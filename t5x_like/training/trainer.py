@@ -14,6 +14,7 @@ import jax
 import tensorflow as tf
 
 from t5x_like.data import input_pipeline
+from t5x_like.data import mixture as mixture_lib
 from t5x_like.model import decoder as model_lib
 from t5x_like.observe import flops
 from t5x_like.observe import hardware
@@ -212,6 +213,9 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
     stack.callback(manager.close)
     exporter.update({}, step=start, train_steps=config.train_steps)
     logger.write(start, report)  # what trains and what its optimizer state costs, once per launch
+    if exp.mixture:  # data/tokens/<source>: the training tokens each mixture source gave so far
+      logger = mixture_lib.TokensSeen(logger, exp.mixture, batch_size=config.batch_size, seq_len=config.seq_len,
+                                      num_streams=config.data.data_streams or jax.process_count(), seed=config.seed)
     sinks = [logger, _PrometheusSink(exporter, config.train_steps)]
     last_step = config.train_steps
     log = hooks_lib.LogHook(hooks_lib.Every(config.log_every, last_step), meter, sinks, train_iter)
