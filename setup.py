@@ -33,7 +33,7 @@ setuptools.setup(
         "safetensors>=0.4",  # python -m t5x_like.convert reads and writes Hugging Face weights (numpy, no torch)
         "pyarrow>=14",  # preprocess: Parquet inputs and `datasets.save_to_disk` folders (read without `datasets`)
         "zstandard>=0.22",  # preprocess: *.jsonl.zst / *.txt.zst inputs
-        "datasketch>=1.6",  # preprocess --near_dedup: MinHash LSH
+        "datasketch>=2.0",  # preprocess --near_dedup: MinHash LSH
     ],
     extras_require={
         "beam": ["apache-beam>=2.60"],  # preprocess --runner=direct|dataflow|...

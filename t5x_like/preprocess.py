@@ -2,12 +2,15 @@
 
     python -m t5x_like.preprocess --input='corpus/*.txt' --output_dir=/data/mycorpus [--runner=DirectRunner]
     python -m t5x_like.preprocess --input='corpus/*.jsonl' --output_dir=/data/ordered --order_by=field:difficulty
+    python -m t5x_like.preprocess --input='web/*.parquet' --input='web/*.jsonl.zst' --output_dir=/data/web \
+        --tokenizer=/data/mycorpus --quality_filters --near_dedup   (docs/data.md)
     python -m t5x_like.preprocess --format=chat --input='sft/*.jsonl' --output_dir=/data/sft \
         --tokenizer=/data/mycorpus [--gin_file=my_template.gin] [--gin.data.ChatTemplate.separator="''"]
     python -m t5x_like.preprocess --format=preference --input='prefs/*.jsonl' --output_dir=/data/dpo \
         --tokenizer=/data/mycorpus --pack_length=257
 """
 
+import dataclasses
 import logging
 import sys
 
@@ -19,6 +22,8 @@ from t5x_like import cli
 from t5x_like.data import chat
 from t5x_like.data import data_dir
 from t5x_like.data import preprocessing
+from t5x_like.data.near_dedup import NearDedupConfig
+from t5x_like.data.quality_filters import QualityConfig
 from t5x_like.data.text_cleaning import CleaningConfig
 
 try:  # Apache Beam is the optional `beam` extra; only --runner=<a Beam runner> needs it
@@ -29,7 +34,8 @@ except ImportError:
 
 def define_flags():
   f = flags
-  f.DEFINE_multi_string("input", None, "Input glob(s): *.jsonl/*.json(.gz) or plain text files.")
+  f.DEFINE_multi_string("input", None, "Input glob(s): *.jsonl/*.json, plain text (each optionally .gz/.zst), "
+                        "*.parquet, *.html, or a datasets.save_to_disk folder.")
   f.DEFINE_string("output_dir", None, "DATA_DIR to write (local or gs://...).")
   f.DEFINE_enum("format", "text", ["text", "chat", "preference"], "text: documents; chat: JSON-lines conversations "
                 "({messages: [{role, content}]} or {prompt, completion}) with per-token loss weights; preference: "
@@ -54,14 +60,22 @@ def define_flags():
   f.DEFINE_integer("num_validation_shards", 1, "Number of validation shards.")
   f.DEFINE_float("validation_fraction", 0.01, "Share of documents in the validation split.")
   f.DEFINE_integer("seed", 0, "Seed of the split and the shard assignment.")
-  f.DEFINE_string("text_field", "text", "JSON field holding the text.")
+  f.DEFINE_string("text_field", "text", "JSON field / Parquet or datasets column holding the text.")
   f.DEFINE_enum("doc_split", "file", ["file", "blank_line"], "Plain text: one doc per file or paragraph.")
   f.DEFINE_integer("pack_length", None, "Write packed rows of this many tokens (seq_len + 1).")
   f.DEFINE_integer("num_workers", 0, "Tokenization processes (0: CPU count).")
   f.DEFINE_string("cache_dir", "", "Cache directory ('' : OUTPUT_DIR/.cache).")
   f.DEFINE_bool("cache", True, "Reuse cached per-input results.")
   f.DEFINE_enum("non_utf8", "replace", ["replace", "drop"], "Invalid UTF-8 bytes: replace or drop doc.")
-  f.DEFINE_bool("strip_html", False, "Remove HTML tags, scripts, styles and comments.")
+  f.DEFINE_enum("strip_html", "auto", ["auto", "always", "never"], "HTML to its visible text (markup, scripts, "
+                "styles, comments removed by an HTML parser): auto = *.html inputs and documents that are HTML.")
+  f.DEFINE_bool("quality_filters", False, "Heuristic quality filters (repetition, symbol and digit ratios, mean "
+                "word length, boilerplate lines); limits: --gin.data.QualityConfig.<field>=...")
+  f.DEFINE_bool("near_dedup", False, "Drop near-duplicates (MinHash LSH over word shingles).")
+  f.DEFINE_float("near_dedup_threshold", 0.8, "Estimated Jaccard similarity at which a document is a near-duplicate.")
+  f.DEFINE_integer("shingle_size", 5, "Words per MinHash shingle.")
+  f.DEFINE_integer("min_validation_documents", 16, "Validation split minimum (documents), up to 10% of them.")
+  f.DEFINE_integer("min_validation_tokens", 8192, "Validation split minimum (tokens), up to 10% of the documents.")
   f.DEFINE_bool("remove_control_chars", True, "Remove control characters (not \\t, \\n).")
   f.DEFINE_string("unicode_form", "NFC", "Unicode normalisation form ('' to disable).")
   f.DEFINE_enum("whitespace", "basic", ["none", "basic", "collapse"], "Whitespace normalisation.")
@@ -78,12 +92,17 @@ def main(argv) -> None:
   logging.basicConfig(level=logging.INFO, format="%(message)s")
   try:
     cli.register(chat.ChatTemplate, "data")
+    cli.register(QualityConfig, "data")
     if fl.gin_file or fl.gin_bindings:
       cli.parse_gin(fl.gin_file, fl.gin_bindings, fl.gin_search_paths)
     cleaning = CleaningConfig(non_utf8=fl.non_utf8, strip_html=fl.strip_html,
                               remove_control_chars=fl.remove_control_chars,
                               unicode_form=fl.unicode_form, whitespace=fl.whitespace,
-                              min_chars=fl.min_chars, dedup=fl.dedup)
+                              min_chars=fl.min_chars, dedup=fl.dedup,
+                              quality=dataclasses.replace(cli.configured(QualityConfig, "data"),
+                                                          enabled=fl.quality_filters),
+                              near_dedup=NearDedupConfig(enabled=fl.near_dedup, threshold=fl.near_dedup_threshold,
+                                                         shingle_size=fl.shingle_size))
     kwargs = dict(vocab_size=fl.vocab_size, tokenizer=fl.tokenizer, model_type=fl.model_type,
                   byte_fallback=fl.byte_fallback, character_coverage=fl.character_coverage,
                   max_tokenizer_chars=fl.max_tokenizer_chars, num_train_shards=fl.num_train_shards,
@@ -91,7 +110,9 @@ def main(argv) -> None:
                   validation_fraction=fl.validation_fraction, seed=fl.seed,
                   text_field=fl.text_field, doc_split=fl.doc_split, cleaning=cleaning,
                   pack_length=fl.pack_length, num_workers=fl.num_workers or None,
-                  cache_dir=fl.cache_dir if fl.cache else None)
+                  cache_dir=fl.cache_dir if fl.cache else None,
+                  min_validation_documents=fl.min_validation_documents,
+                  min_validation_tokens=fl.min_validation_tokens)
     if fl.runner == "local":
       report = preprocessing.preprocess(fl.input, fl.output_dir, data_format=fl.format,
                                         chat_template=cli.configured(chat.ChatTemplate, "data"),

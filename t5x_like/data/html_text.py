@@ -13,21 +13,21 @@ _BLOCKS = frozenset({"address", "article", "aside", "blockquote", "br", "dd", "d
                      "hr", "li", "main", "nav", "ol", "p", "pre", "section", "table", "tr", "ul", "title"})
 _VOID = frozenset({"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track",
                    "wbr"})
-# A document is HTML when it opens as a page, or has several pairs of common HTML elements: code that mentions
+# A document is HTML when it opens as a page, or closes several common HTML elements: code that mentions
 # `List<String>` or `a < b` has neither.
 _PAGE_START = re.compile(r"\A\s*(?:<\?xml[^>]*>\s*)?(?:<!--.*?-->\s*)*<(?:!doctype\s+html|html[\s>])", re.I | re.S)
 _COMMON = "html|head|body|div|p|span|a|table|tr|td|ul|ol|li|h[1-6]|script|style|section|article|nav|footer|header"
-_PAIR = re.compile(rf"<({_COMMON})(?:\s[^<>]*)?>.*?</\1\s*>", re.I | re.S)
+_CLOSING = re.compile(rf"</(?:{_COMMON})\s*>", re.I)
 _SPACES = re.compile(r"[ \t\r\f\v]+")
 _BLANKS = re.compile(r"\n\s*\n\s*\n+")
 
 
 def looks_like_html(text: str, min_pairs: int = 3) -> bool:
-  """True for a page (<!doctype html>, <html>) or text with `min_pairs` matched common HTML element pairs."""
+  """True for a page (<!doctype html>, <html>) or text with `min_pairs` closing tags of common HTML elements."""
   if _PAGE_START.match(text):
     return True
   count = 0
-  for _ in _PAIR.finditer(text):
+  for _ in _CLOSING.finditer(text):
     count += 1
     if count >= min_pairs:
       return True

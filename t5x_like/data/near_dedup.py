@@ -12,6 +12,7 @@ from datasketch import MinHashLSH
 import numpy as np
 
 _WORD = re.compile(r"\w+", re.U)
+SCHEME = "affine32"  # datasketch 2's MinHash permutation scheme, named so signatures mean one thing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +43,7 @@ def shingles(text: str, size: int) -> set[bytes]:
 
 def signature(text: str, config: NearDedupConfig) -> np.ndarray:
   """uint64 (num_perm,): the MinHash of the document's shingles."""
-  m = MinHash(num_perm=config.num_perm, seed=config.seed)
+  m = MinHash(num_perm=config.num_perm, seed=config.seed, scheme=SCHEME)
   m.update_batch(sorted(shingles(text, config.shingle_size)))
   return m.hashvalues.astype(np.uint64)
 
@@ -64,7 +65,7 @@ def find_near_duplicates(sigs: np.ndarray, config: NearDedupConfig) -> dict[int,
   lsh = MinHashLSH(threshold=config.threshold, num_perm=config.num_perm)
   dropped = {}
   for i, sig in enumerate(sigs):
-    m = MinHash(num_perm=config.num_perm, seed=config.seed, hashvalues=sig)
+    m = MinHash(num_perm=config.num_perm, seed=config.seed, hashvalues=sig, scheme=SCHEME)
     match = [j for j in sorted(lsh.query(m)) if float(np.mean(sigs[j] == sig)) >= config.threshold]
     if match:
       dropped[i] = match[0]

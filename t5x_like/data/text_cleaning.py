@@ -195,6 +195,8 @@ def read_documents(raw: bytes, kind: str, doc_split: str, text_field: str, count
       raise ValueError(f"--order_by=field:{score_field} needs JSON-lines input: '{name}' is {kind}")
     return readers.table_texts(raw, kind, text_field, name, counts), None
   text = decode_utf8(readers.decompress(raw, name))
+  if not text.strip():  # an empty input: named in the report (empty_input)
+    return [], None
   if kind == "jsonl":
     objects = list(iter_jsonl_objects(text, text_field, counts))
     if not objects and counts["dropped_missing_field"]:
