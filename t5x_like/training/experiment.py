@@ -29,15 +29,21 @@ from t5x_like.parallel import offload
 from t5x_like.parallel import partitioning
 from t5x_like.parallel import axis_names as ax
 from t5x_like.training import checkpointing
+from t5x_like.training import fault_tolerance
 from t5x_like.training import lora as lora_lib
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import precision
+from t5x_like.training import rewards
+from t5x_like.training import rollout
 from t5x_like.training import step as step_lib
 from t5x_like.training import train_state as train_state_lib
 from t5x_like.training import trainable as trainable_lib
 from t5x_like.training.config import TrainConfig
+from t5x_like.training.objectives import grpo
+from t5x_like.training.objectives import distill
 from t5x_like.training.objectives import language_model
 from t5x_like.training.objectives import preference
+from t5x_like.training.objectives import reward
 
 
 # The model config field each logical parameter axis comes from (named in shape-mismatch errors).
@@ -99,6 +105,8 @@ class Experiment:
     if config.lora.rank and config.lora.dropout:  # the blocks' projections apply it to their adapters' input
       self.model_config = dataclasses.replace(self.model_config, lora_dropout=config.lora.dropout)
       self.model_config.validate()
+    if config.objective.name == "reward":  # the reward model's scalar head (decoder.project_scores)
+      self.model_config = dataclasses.replace(self.model_config, score_head=True)
     validate_layout(config, self.mesh, self.model_config)  # before anything compiles
     self.rules = tuple(config.axis_rules or partitioning.DEFAULT_RULES)
     self.model = model_lib.GPT(self.model_config)
@@ -112,6 +120,7 @@ class Experiment:
     self.lora = config.lora if config.lora.rank else None
     self.lora_base = None  # under LoRA: the base's checkpoints/<step> directory, once loaded
     self.reference = None  # preference objectives: the reference's checkpoints/<step> directory, once loaded
+    self.teacher = None  # distillation: the teacher's checkpoints/<step> directory, once loaded
     self.params_fn = None  # rng → the state's boxed parameters when they are not the model's (LoRA adapters)
     if self.lora:
       kernels = lora_lib.target_kernels(self.boxed_params, self.lora.targets)
@@ -120,6 +129,8 @@ class Experiment:
       self.frozen_shardings[lora_lib.BASE] = self.model_shardings
     if self.needs_reference:
       self.frozen_shardings[preference.REFERENCE] = self.model_shardings
+    if self.needs_teacher:
+      self.frozen_shardings[distill.TEACHER] = self.teacher_shardings
     with self.context():
       self.abstract_state, self.state_shardings = train_state_lib.state_shardings(
           self.model, self.tx, self.mesh, self.rules, loss_scale=self.initial_loss_scale(),
@@ -139,20 +150,134 @@ class Experiment:
       return language_model.LanguageModel(
           apply_fn=self.model.apply, loss_chunk=config.loss_chunk,
           logits_fn=lambda params, hidden: model_lib.project_logits(params, hidden, self.model_config))
+    if config.objective.name == "grpo":
+      return self.make_grpo_objective()
+    if config.objective.name == "distill":
+      return self.make_distill_objective()
+    name = f"ObjectiveConfig.name={config.objective.name!r}"  # 'preference' or 'reward': both read rows of pairs
     if manifest is not None and manifest.get("format") != "preference":
-      raise ValueError(f"ObjectiveConfig.name='preference' reads a preference DATA_DIR (python -m t5x_like.preprocess "
+      raise ValueError(f"{name} reads a preference DATA_DIR (python -m t5x_like.preprocess "
                        f"--format=preference): DATA_DIR '{config.data_dir}' has format "
                        f"{manifest.get('format', 'text')!r}")
     if config.curriculum.enabled():
-      raise ValueError("ObjectiveConfig.name='preference' with a sequence-length warmup (CurriculumConfig): cutting "
+      raise ValueError(f"{name} with a sequence-length warmup (CurriculumConfig): cutting "
                        "rows would split pairs; turn the warmup off")
     if self.initial_loss_scale() is not None:
-      raise ValueError("ObjectiveConfig.name='preference' with dynamic loss scaling (float16): not supported, the "
+      raise ValueError(f"{name} with dynamic loss scaling (float16): not supported, the "
                        "scaled step normalises by tokens, not pairs; use bfloat16 or float32")
+    max_pairs = int((manifest or {}).get("max_pairs_per_row") or 1)
+    if config.objective.name == "reward":
+      if config.lora.rank:
+        raise ValueError("ObjectiveConfig.name='reward' with LoRA (LoraConfig.rank > 0): the new score head would not "
+                         "train; use full or selective fine-tuning")
+      return reward.Reward(self.model.apply,
+                           lambda params, hidden: model_lib.project_scores(params, hidden, self.model_config),
+                           max_pairs=max_pairs)
     objective = config.objective
     return preference.Preference(self.model.apply, loss_type=objective.loss_type, beta=objective.beta,
                                  gamma=objective.gamma,
                                  max_pairs=int((manifest or {}).get("max_pairs_per_row") or 1))
+
+  def make_grpo_objective(self):
+    """GRPO over rollouts of a chat DATA_DIR's prompts (training/rollout.py), checked before anything compiles."""
+    config, objective = self.config, self.config.objective
+    if self.manifest is not None and self.manifest.get("format") != "chat":
+      raise ValueError(f"ObjectiveConfig.name='grpo' samples answers to the prompts of a chat DATA_DIR (python -m "
+                       f"t5x_like.preprocess --format=chat): DATA_DIR '{config.data_dir}' has format "
+                       f"{self.manifest.get('format', 'text')!r}")
+    if objective.num_generations < 2:
+      raise ValueError(f"ObjectiveConfig.num_generations={objective.num_generations}: GRPO compares each sample with "
+                       "the others of its group, so a group needs at least 2 samples")
+    if config.batch_size % objective.num_generations:
+      raise ValueError(f"BATCH_SIZE={config.batch_size} is not a multiple of ObjectiveConfig.num_generations="
+                       f"{objective.num_generations} (BATCH_SIZE = prompts per step × samples per prompt)")
+    if objective.max_new_tokens < 1 or objective.max_new_tokens > config.seq_len:
+      raise ValueError(f"ObjectiveConfig.max_new_tokens={objective.max_new_tokens} must be in [1, SEQ_LEN="
+                       f"{config.seq_len}]")
+    if config.curriculum.enabled():
+      raise ValueError("ObjectiveConfig.name='grpo' with a sequence-length warmup (CurriculumConfig): rollout rows "
+                       "are not cut; turn the warmup off")
+    rewards.get(objective.reward)  # an unregistered name is an error now, not after the first rollout
+    return grpo.Grpo(self.model.apply, clip_epsilon=objective.clip_epsilon, beta=objective.beta)
+
+  @property
+  def is_grpo(self) -> bool:
+    return isinstance(self.model_objective, grpo.Grpo)
+
+  @functools.cached_property
+  def rollouts(self) -> rollout.Rollouts:
+    """GRPO's prompts, sampler and rewards (built on first use: it reads the DATA_DIR's prompts)."""
+    return rollout.Rollouts(self)
+
+  def make_distill_objective(self):
+    """Distillation from the teacher TEACHER_CHECKPOINT_PATH names: its model config is read from its MODEL_DIR
+    (model.gin or config.gin) and checked against this run's (the vocabulary) before anything compiles."""
+    config, path = self.config, self.config.objective.teacher_checkpoint
+    if not path:
+      raise ValueError("ObjectiveConfig.name='distill' needs a teacher: set TEACHER_CHECKPOINT_PATH "
+                       "(ObjectiveConfig.teacher_checkpoint) to its MODEL_DIR, checkpoints/<step> or converted checkpoint")
+    if self.manifest is not None and self.manifest.get("format") == "preference":
+      raise ValueError(f"DATA_DIR '{config.data_dir}' holds preference pairs: distillation would learn the rejected "
+                       "answers too; distil on text or chat data")
+    teacher_config, self.teacher_source = distill.saved_model_config(path, self.model_config)
+    self.teacher_config = dataclasses.replace(teacher_config, num_stages=self.model_config.num_stages)
+    distill.check_teacher_config(self.teacher_config, self.model_config, self.teacher_source)
+    teacher = model_lib.GPT(self.teacher_config)
+    return distill.Distill(
+        self.model.apply, lambda params, hidden: model_lib.project_logits(params, hidden, self.model_config),
+        teacher.apply, lambda params, hidden: model_lib.project_logits(params, hidden, self.teacher_config),
+        alpha=config.objective.distill_alpha, temperature=config.objective.distill_temperature,
+        loss_chunk=config.loss_chunk)
+
+  @property
+  def needs_teacher(self) -> bool:
+    """Whether the objective reads the frozen teacher (distillation)."""
+    return isinstance(self.model_objective, distill.Distill)
+
+  @functools.cached_property
+  def teacher_boxed_params(self):
+    """The teacher's abstract parameters, boxed with their logical axis names (nothing allocated)."""
+    with self.context():
+      return jax.eval_shape(lambda: model_lib.GPT(self.teacher_config).init(
+          jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))["params"]
+
+  @functools.cached_property
+  def teacher_shardings(self):
+    """NamedShardings of the teacher's parameters on this mesh (the same rules table as the model's)."""
+    return partitioning.shardings_from_boxed(self.teacher_boxed_params, self.mesh, self.rules)
+
+  def load_teacher(self, path: Optional[str] = None) -> str:
+    """Restores the frozen teacher `distill.TEACHER` from `path`, else ObjectiveConfig.teacher_checkpoint
+    (TEACHER_CHECKPOINT_PATH), after checking every parameter shape against the teacher's model config;
+    returns the checkpoints/<step> read."""
+    path = path or self.config.objective.teacher_checkpoint
+    what = f"teacher model (TEACHER_CHECKPOINT_PATH, model config {self.teacher_source})"
+    pinned = self.check_checkpoint_shapes(path, what, boxed=self.teacher_boxed_params)
+    if self.teacher != pinned:
+      self.add_frozen(distill.TEACHER, pinned, self.teacher_config)
+      self.teacher = pinned
+    return pinned
+
+  def missing_score_head(self, path: str) -> bool:
+    """Whether the checkpoint at `path` lacks the score head this model has: a reward model warm-started from an
+    SFT or pre-trained model, whose head then starts fresh (zeros)."""
+    if not self.model_config.score_head:
+      return False
+    return model_lib.SCORE_HEAD not in checkpointing.state_tree_metadata(
+        str(checkpointing.resolve_checkpoint(path)[1])).get("params", {})
+
+  def warm_start(self, path: str, abstract, with_optimizer: bool):
+    """A fresh TrainState with the parameters (and optionally optimizer state) of checkpoint `path`; a score
+    head the checkpoint lacks keeps its fresh value."""
+    state = self.init_state()
+    if not self.missing_score_head(path):
+      return fault_tolerance.warm_start(state, path, abstract, with_optimizer)
+    if with_optimizer:
+      raise ValueError(f"CheckpointConfig.warm_start_optimizer=True with {path}, which has no score head: its "
+                       "optimizer state does not fit a reward model; set it False")
+    body = {k: v for k, v in abstract.params.items() if k != model_lib.SCORE_HEAD}
+    _, params = checkpointing.restore_params(path, abstract_params=body)
+    return state.replace(params={**params, model_lib.SCORE_HEAD: state.params[model_lib.SCORE_HEAD]})
 
   @property
   def needs_reference(self) -> bool:
@@ -165,7 +290,7 @@ class Experiment:
     (INITIAL_CHECKPOINT_PATH), after checking every parameter shape; returns the checkpoints/<step> read."""
     path = path or self.config.objective.reference_checkpoint or self.config.checkpoint.warm_start_from
     if not path:
-      raise ValueError(f"the {self.model_objective.loss_type} preference loss needs a reference model: set "
+      raise ValueError(f"the {self.model_objective.loss_type} loss needs a reference model: set "
                        "REFERENCE_CHECKPOINT_PATH (ObjectiveConfig.reference_checkpoint) or INITIAL_CHECKPOINT_PATH")
     pinned = self.check_checkpoint_shapes(path, "reference model (REFERENCE_CHECKPOINT_PATH)")
     if self.reference != pinned:
@@ -188,17 +313,20 @@ class Experiment:
     """The model's parameters as ShapeDtypeStructs with this run's shardings (a restore target)."""
     return checkpointing.abstract_with_shardings(partitioning.unbox(self.boxed_params), self.model_shardings)
 
-  def check_checkpoint_shapes(self, path: str, what: str = "initial checkpoint") -> str:
+  def check_checkpoint_shapes(self, path: str, what: str = "initial checkpoint", boxed=None) -> str:
     """Checks every parameter shape of the checkpoint at `path` (a MODEL_DIR or checkpoints/<step>)
     against this model config, before anything restores; returns the checkpoints/<step> checked.
 
     Raises:
       ValueError: one line naming the parameter path, both shapes and the GPTConfig field.
     """
-    flat = flax.traverse_util.flatten_dict(self.boxed_params)
+    boxed = self.boxed_params if boxed is None else boxed  # `boxed`: another model's (a teacher's)
+    if boxed is self.boxed_params and self.missing_score_head(path):  # a reward model's head starts fresh
+      boxed = {k: v for k, v in boxed.items() if k != model_lib.SCORE_HEAD}
+    flat = flax.traverse_util.flatten_dict(boxed)
     names = {lora_lib.path_name(p): tuple(AXIS_FIELDS.get(n, "") for n in leaf.names)
              for p, leaf in flat.items() if isinstance(leaf, nn.LogicallyPartitioned)}
-    return checkpointing.check_param_shapes(path, partitioning.unbox(self.boxed_params), names, what)
+    return checkpointing.check_param_shapes(path, partitioning.unbox(boxed), names, what)
 
   def load_lora_base(self, path: str) -> str:
     """Restores the LoRA base model (a MODEL_DIR, checkpoints/<step> or converted checkpoint) as the frozen
@@ -228,6 +356,9 @@ class Experiment:
     if self.needs_reference:  # laid out like the model's parameters, without optimizer state
       report["memory/frozen_reference_bytes_per_device"] = train_state_lib.bytes_per_device(
           partitioning.unbox(self.boxed_params), self.model_shardings)
+    if self.needs_teacher:  # laid out by the same rules, without optimizer state
+      report["memory/frozen_teacher_bytes_per_device"] = train_state_lib.bytes_per_device(
+          partitioning.unbox(self.teacher_boxed_params), self.teacher_shardings)
     return report
 
   def context(self):
@@ -349,6 +480,8 @@ class Experiment:
     """The objective's weighted loss over `split` (the whole split, or DataConfig.eval_batches batches;
     the same batches every time), its perplexity exp(loss), and the objective's metrics. A mixture's:
     eval/<source>/* of each source's split, and eval/* over all of them (token-weighted)."""
+    if self.is_grpo:  # greedy answers to the validation prompts, scored by the reward function
+      return self.rollouts.evaluate(params)
     eval_step = eval_step or self.jit_eval_step()
     if self.mixture and data_dir is None:
       combined = mixture_lib.combine_evaluations(
@@ -459,11 +592,14 @@ class Experiment:
                        f"(available: {sorted(self.manifest['splits'])})")
     with self.context():
       found, params = self.restore_adapters(step) if self.lora else self.restore_params(step)
-    if self.needs_reference:  # the reference the run trained against (its checkpoints' metadata), else the config's
+    if self.needs_reference and not self.is_grpo:  # the reference the run trained against, else the config's
       _, path = checkpointing.step_dir(self.config.model_dir, found)
       try:
         pinned = checkpointing.read_metadata(path).get("reference_checkpoint")
       except Exception:  # pylint: disable=broad-except  # a parameters-only checkpoint may have no metadata
         pinned = None
       self.load_reference(pinned)
+    if self.needs_teacher:  # the teacher the run trained with (its checkpoints' metadata), else the config's
+      _, path = checkpointing.step_dir(self.config.model_dir, found)
+      self.load_teacher(checkpointing.read_metadata(path).get("teacher_checkpoint"))
     return {"step": int(found), "split": split, **self.evaluate(params, split=split)}

@@ -124,6 +124,10 @@ def initial_state(exp: Experiment, manager, train_iter) -> tuple:
     pinned = (saved_metadata or {}).get("reference_checkpoint") if resumed else None
     origin["reference_checkpoint"] = exp.load_reference(pinned)
     logging.info("frozen reference model %s", origin["reference_checkpoint"])
+  if exp.needs_teacher:  # distillation: a resumed run keeps the teacher its checkpoints name
+    pinned = (saved_metadata or {}).get("teacher_checkpoint") if resumed else None
+    origin["teacher_checkpoint"] = exp.load_teacher(pinned)
+    logging.info("frozen teacher model %s", origin["teacher_checkpoint"])
   if resumed:
     logging.info("resumed from %s at step %d", checkpoints.checkpoint_dir(config.model_dir), int(restored_step))
     return int(restored_step), state, saved_metadata, origin
@@ -132,7 +136,7 @@ def initial_state(exp: Experiment, manager, train_iter) -> tuple:
                      "base model's MODEL_DIR or checkpoints/<step>")
   if ckpt.warm_start_from and not exp.lora:
     pinned = exp.check_checkpoint_shapes(ckpt.warm_start_from)  # before anything compiles
-    state = fault_tolerance.warm_start(exp.init_state(), pinned, abstract, ckpt.warm_start_optimizer)
+    state = exp.warm_start(pinned, abstract, ckpt.warm_start_optimizer)  # a reward model's new head stays fresh
     origin["initial_checkpoint"] = pinned
   else:
     state = exp.init_state()
@@ -199,9 +203,16 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
   profile = hooks_lib.ProfileHook(profiling.StepProfiler(config.model_dir, config.observe.profile_steps, is_primary))
 
   def next_batch(step: int) -> dict:
+    if exp.is_grpo:  # GRPO's batch is sampled from the state inside the step (exp.rollouts.train_step)
+      return step
     local = guard.poison(global_batch.tf_to_numpy(next(train_iter)), step)  # debug_nan_steps only
     length = curriculum.length_at(config.curriculum, step - 1, config.seq_len, config.loss_chunk)
     return exp.global_batch(curriculum.cut_rows(local, length))
+
+  if exp.is_grpo:
+    step_fn = lambda s, step: exp.rollouts.train_step(jitted_step, s, step, exp.frozen)
+  else:
+    step_fn = lambda s, b: jitted_step(s, b, exp.frozen)
 
   def save(step: int, state) -> None:
     guard.save(step, state, train_iter, {**metadata, "step": step})
@@ -226,7 +237,7 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
     checkpoint = hooks_lib.CheckpointHook(hooks_lib.Every(config.checkpoint_every, last_step), save, meter)
     with exp.context(), guard:
       step, state = run_loop(state=state, start=start, train_steps=config.train_steps, next_batch=next_batch,
-                             step_fn=lambda s, b: jitted_step(s, b, exp.frozen), hooks=[profile, log, evaluate],
+                             step_fn=step_fn, hooks=[profile, log, evaluate],
                              checkpoint=checkpoint, guard=guard, meter=meter, profile=profile)
       guard.finish(step)  # waits for the last save; the final one must have committed
     profile.profiler.stop(state)
