@@ -33,10 +33,13 @@ from t5x_like.training import fault_tolerance
 from t5x_like.training import lora as lora_lib
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import precision
+from t5x_like.training import rewards
+from t5x_like.training import rollout
 from t5x_like.training import step as step_lib
 from t5x_like.training import train_state as train_state_lib
 from t5x_like.training import trainable as trainable_lib
 from t5x_like.training.config import TrainConfig
+from t5x_like.training.objectives import grpo
 from t5x_like.training.objectives import distill
 from t5x_like.training.objectives import language_model
 from t5x_like.training.objectives import preference
@@ -147,6 +150,8 @@ class Experiment:
       return language_model.LanguageModel(
           apply_fn=self.model.apply, loss_chunk=config.loss_chunk,
           logits_fn=lambda params, hidden: model_lib.project_logits(params, hidden, self.model_config))
+    if config.objective.name == "grpo":
+      return self.make_grpo_objective()
     if config.objective.name == "distill":
       return self.make_distill_objective()
     name = f"ObjectiveConfig.name={config.objective.name!r}"  # 'preference' or 'reward': both read rows of pairs
@@ -172,6 +177,37 @@ class Experiment:
     return preference.Preference(self.model.apply, loss_type=objective.loss_type, beta=objective.beta,
                                  gamma=objective.gamma,
                                  max_pairs=int((manifest or {}).get("max_pairs_per_row") or 1))
+
+  def make_grpo_objective(self):
+    """GRPO over rollouts of a chat DATA_DIR's prompts (training/rollout.py), checked before anything compiles."""
+    config, objective = self.config, self.config.objective
+    if self.manifest is not None and self.manifest.get("format") != "chat":
+      raise ValueError(f"ObjectiveConfig.name='grpo' samples answers to the prompts of a chat DATA_DIR (python -m "
+                       f"t5x_like.preprocess --format=chat): DATA_DIR '{config.data_dir}' has format "
+                       f"{self.manifest.get('format', 'text')!r}")
+    if objective.num_generations < 2:
+      raise ValueError(f"ObjectiveConfig.num_generations={objective.num_generations}: GRPO compares each sample with "
+                       "the others of its group, so a group needs at least 2 samples")
+    if config.batch_size % objective.num_generations:
+      raise ValueError(f"BATCH_SIZE={config.batch_size} is not a multiple of ObjectiveConfig.num_generations="
+                       f"{objective.num_generations} (BATCH_SIZE = prompts per step × samples per prompt)")
+    if objective.max_new_tokens < 1 or objective.max_new_tokens > config.seq_len:
+      raise ValueError(f"ObjectiveConfig.max_new_tokens={objective.max_new_tokens} must be in [1, SEQ_LEN="
+                       f"{config.seq_len}]")
+    if config.curriculum.enabled():
+      raise ValueError("ObjectiveConfig.name='grpo' with a sequence-length warmup (CurriculumConfig): rollout rows "
+                       "are not cut; turn the warmup off")
+    rewards.get(objective.reward)  # an unregistered name is an error now, not after the first rollout
+    return grpo.Grpo(self.model.apply, clip_epsilon=objective.clip_epsilon, beta=objective.beta)
+
+  @property
+  def is_grpo(self) -> bool:
+    return isinstance(self.model_objective, grpo.Grpo)
+
+  @functools.cached_property
+  def rollouts(self) -> rollout.Rollouts:
+    """GRPO's prompts, sampler and rewards (built on first use: it reads the DATA_DIR's prompts)."""
+    return rollout.Rollouts(self)
 
   def make_distill_objective(self):
     """Distillation from the teacher TEACHER_CHECKPOINT_PATH names: its model config is read from its MODEL_DIR
@@ -254,7 +290,7 @@ class Experiment:
     (INITIAL_CHECKPOINT_PATH), after checking every parameter shape; returns the checkpoints/<step> read."""
     path = path or self.config.objective.reference_checkpoint or self.config.checkpoint.warm_start_from
     if not path:
-      raise ValueError(f"the {self.model_objective.loss_type} preference loss needs a reference model: set "
+      raise ValueError(f"the {self.model_objective.loss_type} loss needs a reference model: set "
                        "REFERENCE_CHECKPOINT_PATH (ObjectiveConfig.reference_checkpoint) or INITIAL_CHECKPOINT_PATH")
     pinned = self.check_checkpoint_shapes(path, "reference model (REFERENCE_CHECKPOINT_PATH)")
     if self.reference != pinned:
@@ -444,6 +480,8 @@ class Experiment:
     """The objective's weighted loss over `split` (the whole split, or DataConfig.eval_batches batches;
     the same batches every time), its perplexity exp(loss), and the objective's metrics. A mixture's:
     eval/<source>/* of each source's split, and eval/* over all of them (token-weighted)."""
+    if self.is_grpo:  # greedy answers to the validation prompts, scored by the reward function
+      return self.rollouts.evaluate(params)
     eval_step = eval_step or self.jit_eval_step()
     if self.mixture and data_dir is None:
       combined = mixture_lib.combine_evaluations(
@@ -554,7 +592,7 @@ class Experiment:
                        f"(available: {sorted(self.manifest['splits'])})")
     with self.context():
       found, params = self.restore_adapters(step) if self.lora else self.restore_params(step)
-    if self.needs_reference:  # the reference the run trained against (its checkpoints' metadata), else the config's
+    if self.needs_reference and not self.is_grpo:  # the reference the run trained against, else the config's
       _, path = checkpointing.step_dir(self.config.model_dir, found)
       try:
         pinned = checkpointing.read_metadata(path).get("reference_checkpoint")

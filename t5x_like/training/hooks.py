@@ -65,8 +65,11 @@ class EvalHook:
     for sink in self.sinks:
       sink.write(step, result)
     baseline = result.get("eval/unigram_baseline")
-    logging.info("step %d: eval loss %.4f perplexity %.2f%s", step, result["eval/loss"], result["eval/perplexity"],
-                 f" (unigram baseline {baseline:.4f})" if baseline is not None else "")
+    if "eval/loss" in result:
+      logging.info("step %d: eval loss %.4f perplexity %.2f%s", step, result["eval/loss"], result["eval/perplexity"],
+                   f" (unigram baseline {baseline:.4f})" if baseline is not None else "")
+    else:  # an objective scored by generation (GRPO: eval/reward_mean)
+      logging.info("step %d: %s", step, " ".join(f"{k} {v:.4g}" for k, v in sorted(result.items())))
     self.last.update(result)
 
 

@@ -203,9 +203,16 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
   profile = hooks_lib.ProfileHook(profiling.StepProfiler(config.model_dir, config.observe.profile_steps, is_primary))
 
   def next_batch(step: int) -> dict:
+    if exp.is_grpo:  # GRPO's batch is sampled from the state inside the step (exp.rollouts.train_step)
+      return step
     local = guard.poison(global_batch.tf_to_numpy(next(train_iter)), step)  # debug_nan_steps only
     length = curriculum.length_at(config.curriculum, step - 1, config.seq_len, config.loss_chunk)
     return exp.global_batch(curriculum.cut_rows(local, length))
+
+  if exp.is_grpo:
+    step_fn = lambda s, step: exp.rollouts.train_step(jitted_step, s, step, exp.frozen)
+  else:
+    step_fn = lambda s, b: jitted_step(s, b, exp.frozen)
 
   def save(step: int, state) -> None:
     guard.save(step, state, train_iter, {**metadata, "step": step})
@@ -230,7 +237,7 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
     checkpoint = hooks_lib.CheckpointHook(hooks_lib.Every(config.checkpoint_every, last_step), save, meter)
     with exp.context(), guard:
       step, state = run_loop(state=state, start=start, train_steps=config.train_steps, next_batch=next_batch,
-                             step_fn=lambda s, b: jitted_step(s, b, exp.frozen), hooks=[profile, log, evaluate],
+                             step_fn=step_fn, hooks=[profile, log, evaluate],
                              checkpoint=checkpoint, guard=guard, meter=meter, profile=profile)
       guard.finish(step)  # waits for the last save; the final one must have committed
     profile.profiler.stop(state)

@@ -1,0 +1,67 @@
+"""Reward functions for GRPO, by name (ObjectiveConfig.reward).
+
+A reward function maps one rollout batch to one float per completion:
+
+  fn(completions: list[str], references: list[str], prompts: list[str], *, config) -> list[float]
+
+where `completions` is the generated assistant text (decoded, cut at the end marker), `references` the
+reference answer of each prompt's conversation in the DATA_DIR, `prompts` the prompt text, and `config` the
+run's ObjectiveConfig. Register your own with `@rewards.register("name")` in a module that a gin file imports
+(`import my_project.my_rewards` at the top of the gin file), then bind `objective.ObjectiveConfig.reward = 'name'`.
+
+Built in:
+  exact_match    1 when the completion equals the reference (leading/trailing whitespace stripped), else 0.
+  format         1 when the whole completion matches the regex ObjectiveConfig.reward_format, else 0.
+  reward_model   the scalar score of a trained reward model (configs/runs/reward.gin) at
+                 ObjectiveConfig.reward_checkpoint (RLHF with a learned reward); see training/reward_scoring.py.
+"""
+
+import re
+from typing import Callable, Dict, Sequence
+
+RewardFn = Callable[..., Sequence[float]]
+_REGISTRY: Dict[str, RewardFn] = {}
+
+
+def register(name: str):
+  """Decorator: registers a reward function under `name` (a second function of the same name is refused)."""
+  def wrap(fn: RewardFn) -> RewardFn:
+    if name in _REGISTRY and _REGISTRY[name] is not fn:
+      raise ValueError(f"a reward function named {name!r} is already registered ({_REGISTRY[name].__module__})")
+    _REGISTRY[name] = fn
+    return fn
+  return wrap
+
+
+def registered() -> tuple:
+  return tuple(sorted(_REGISTRY))
+
+
+def get(name: str) -> RewardFn:
+  """The reward function registered as `name`.
+
+  Raises:
+    ValueError: one line naming ObjectiveConfig.reward, the name and the registered ones.
+  """
+  if name not in _REGISTRY:
+    raise ValueError(f"ObjectiveConfig.reward={name!r} is not a registered reward function (registered: "
+                     f"{', '.join(registered())}); register one with @t5x_like.training.rewards.register({name!r})")
+  return _REGISTRY[name]
+
+
+@register("exact_match")
+def exact_match(completions, references, prompts, *, config=None):
+  del prompts, config
+  return [float(c.strip() == r.strip()) for c, r in zip(completions, references)]
+
+
+@register("format")
+def format_match(completions, references, prompts, *, config):
+  del references, prompts
+  if not config.reward_format:
+    raise ValueError("ObjectiveConfig.reward='format' needs the regex ObjectiveConfig.reward_format")
+  try:
+    pattern = re.compile(config.reward_format, re.DOTALL)
+  except re.error as e:
+    raise ValueError(f"ObjectiveConfig.reward_format={config.reward_format!r} is not a valid regex: {e}") from None
+  return [float(pattern.fullmatch(c.strip()) is not None) for c in completions]

@@ -1,0 +1,227 @@
+"""GRPO: the update against a hand-computed policy-gradient step, group advantages, prompts read from a chat
+DATA_DIR, bad input named by key, the mean verifiable reward on held-out prompts raised well above the SFT model's,
+and a resumed run repeating the same rollouts and rewards."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from tests import conftest
+from tests.test_finetune import model_params
+
+from t5x_like.data import chat
+from t5x_like.data import chat_synth
+from t5x_like.data import preprocessing
+from t5x_like.data import tokenizer as tokenizer_lib
+from t5x_like.model import decoder as model_lib
+from t5x_like.training import chat_eval
+from t5x_like.training import checkpointing
+from t5x_like.training import config as config_lib
+from t5x_like.training import experiment as experiment_lib
+from t5x_like.training import optimizer as optimizer_lib
+from t5x_like.training import rewards
+from t5x_like.training import rollout
+from t5x_like.training import step as step_lib
+from t5x_like.training import trainer
+from t5x_like.training.objectives import grpo
+from t5x_like.training.train_state import TrainState
+
+# ----------------------------------------------------------------------------------------------------
+# The update on a tiny case: a bigram "model" (logits = table[input token]) whose gradient is written by hand.
+
+V, B, L = 5, 4, 3
+
+
+def bigram_apply(variables, inputs, positions, segment_ids):
+  del positions, segment_ids
+  return variables["params"]["table"][inputs]  # (B, L, V)
+
+
+def numpy_logps(table, inputs, targets):
+  logits = table[inputs].astype(np.float64)
+  logits -= logits.max(-1, keepdims=True)
+  log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  return np.take_along_axis(log_probs, targets[..., None], -1)[..., 0], np.exp(log_probs)
+
+
+def hand_step(table, ref_table, batch, *, eps, beta, lr):
+  """(loss, new table) of one SGD step on the GRPO loss, every derivative written out:
+  d(−min(ρA, clip(ρ)A))/dlogπ = −ρA where the unclipped side is the min, else 0;
+  d(β(e^δ − δ − 1))/dlogπ = β(1 − e^δ) with δ = logπ_ref − logπ; dlogπ(t)/dlogits = onehot(t) − softmax."""
+  inputs, targets, w, adv, old = (batch[k] for k in ("inputs", "targets", "weights", "advantages", "old_logps"))
+  logp, probs = numpy_logps(table, inputs, targets)
+  ref, _ = numpy_logps(ref_table, inputs, targets)
+  ratio = np.exp(logp - old)
+  unclipped, clipped = ratio * adv, np.clip(ratio, 1 - eps, 1 + eps) * adv
+  delta = ref - logp
+  per_token = -np.minimum(unclipped, clipped) + beta * (np.exp(delta) - delta - 1)
+  n = w.sum()
+  dlogp = (np.where(unclipped <= clipped, -ratio * adv, 0.0) + beta * (1 - np.exp(delta))) * w / n
+  dlogits = dlogp[..., None] * (np.eye(V)[targets] - probs)
+  grad = np.zeros_like(table, dtype=np.float64)
+  np.add.at(grad, inputs, dlogits)
+  return (per_token * w).sum() / n, table - lr * grad
+
+
+def test_grpo_step_equals_a_hand_computed_policy_gradient_step():
+  rng = np.random.RandomState(0)
+  table = rng.normal(0, 1, (V, V)).astype(np.float32)
+  ref_table = (table + rng.normal(0, 0.3, (V, V))).astype(np.float32)
+  inputs = rng.randint(0, V, (B, L)).astype(np.int32)
+  targets = rng.randint(0, V, (B, L)).astype(np.int32)
+  logp, _ = numpy_logps(table, inputs, targets)
+  # old log-probs off by ±0.5: some ratios leave [0.8, 1.2] (clipped on one side or the other), most do not
+  old = (logp + rng.uniform(-0.5, 0.5, (B, L))).astype(np.float32)
+  batch = {"inputs": inputs, "targets": targets, "positions": np.zeros((B, L), np.int32),
+           "segment_ids": np.ones((B, L), np.int32),
+           "weights": np.array([[0, 1, 1], [0, 0, 1], [1, 1, 1], [0, 1, 0]], np.float32),
+           "advantages": np.repeat(np.array([1.5, -0.5, -0.5, 0.7], np.float32)[:, None], L, 1), "old_logps": old}
+  objective = grpo.Grpo(bigram_apply, clip_epsilon=0.2, beta=0.1)
+  step = jax.jit(step_lib.make_train_step(objective, optax.sgd(0.5), lambda s: 0.5))
+  state = TrainState(step=jnp.zeros((), jnp.int32), params={"table": jnp.asarray(table)},
+                     opt_state=optax.sgd(0.5).init({"table": jnp.asarray(table)}), loss_scale=None)
+  new_state, metrics = step(state, batch, {grpo.REFERENCE: {"table": jnp.asarray(ref_table)}})
+  loss, expected = hand_step(table, ref_table, batch, eps=0.2, beta=0.1, lr=0.5)
+  ratio = np.exp(logp - old)
+  assert 0 < float(metrics["clip_fraction"]) < 1 and np.any(np.abs(ratio - 1) > 0.2)  # both branches exercised
+  assert float(metrics["loss"]) == pytest.approx(loss, rel=1e-5)
+  np.testing.assert_allclose(np.asarray(new_state.params["table"]), expected, rtol=1e-5, atol=1e-6)
+  assert float(metrics["tokens"]) == 7  # completion tokens
+  # without the reference (β = 0) none is needed, and the step is the clipped policy gradient alone
+  no_kl = jax.jit(step_lib.make_train_step(grpo.Grpo(bigram_apply, beta=0.0), optax.sgd(0.5), lambda s: 0.5))
+  _, expected = hand_step(table, ref_table, batch, eps=0.2, beta=0.0, lr=0.5)
+  np.testing.assert_allclose(np.asarray(no_kl(state, batch, {})[0].params["table"]), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_group_advantages_and_prompt_schedule():
+  values = np.array([1, 0, 0, 0, 1, 1, 1, 1], np.float64)
+  adv = rollout.group_advantages(values, 4)
+  np.testing.assert_allclose(adv[:4], np.array([0.75, -0.25, -0.25, -0.25]) / (np.std([1, 0, 0, 0], ddof=1) + 1e-4),
+                             rtol=1e-6)
+  assert np.all(adv[4:] == 0)  # a group whose samples all scored the same carries no signal
+  # each epoch visits every prompt once, in a seeded order; the same (seed, step) gives the same prompts
+  seen = np.concatenate([rollout.schedule(10, s, 5, seed=3) for s in (1, 2)])
+  assert sorted(seen) == list(range(10))
+  assert list(rollout.schedule(10, 3, 5, seed=3)) == list(rollout.schedule(10, 3, 5, seed=3))
+  assert list(rollout.schedule(10, 3, 5, seed=3)) != list(rollout.schedule(10, 3, 5, seed=4))
+
+
+def test_built_in_rewards_and_an_unregistered_name():
+  config = config_lib.ObjectiveConfig(name="grpo", reward_format=r"\w+ \w+")
+  assert rewards.get("exact_match")([" a b", "a c"], ["a b", "a b"], ["", ""]) == [1.0, 0.0]
+  assert rewards.get("format")(["two words", "three words here"], ["", ""], ["", ""], config=config) == [1.0, 0.0]
+  with pytest.raises(ValueError, match=r"ObjectiveConfig.reward='nope' is not a registered reward function "
+                                       r"\(registered: .*exact_match, format"):
+    rewards.get("nope")
+
+
+# ----------------------------------------------------------------------------------------------------
+# On a generated task: prompts from a chat DATA_DIR, a bad configuration named by key, the held-out reward raised
+# above the SFT model's, and a resumed run repeating the same rollouts.
+
+MODEL = model_lib.GPTConfig(num_layers=2, num_heads=2, d_model=32, d_ff=64, max_len=32, dtype="float32",
+                            tie_embeddings=False, position_embedding="rope", norm="rmsnorm", mlp_activation="swiglu",
+                            use_bias=False)
+SFT_STEPS, GRPO_STEPS, GROUP = 100, 40, 8
+
+
+def grpo_config(model_dir, data_dir, sft_dir, **objective):
+  return config_lib.TrainConfig(
+      model_dir=str(model_dir), data_dir=data_dir, train_steps=GRPO_STEPS, batch_size=16 * GROUP, seq_len=32,
+      log_every=5, eval_every=0, checkpoint_every=30, mesh_shape={"data": -1},
+      data=config_lib.DataConfig(eval_batches=1, shuffle_buffer=256),
+      checkpoint=config_lib.CheckpointConfig(async_save=False, warm_start_from=sft_dir, warm_start_required=True),
+      objective=config_lib.ObjectiveConfig(**{"name": "grpo", "num_generations": GROUP, "beta": 0.0,
+                                              "max_new_tokens": 6, **objective}))
+
+
+GRPO_OPT = optimizer_lib.OptimizerConfig(learning_rate=3e-3, warmup_steps=10, decay="constant", weight_decay=0.0)
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+  """(chat DATA_DIR of 'reverse two words', its held-out lines, an SFT MODEL_DIR): SFT_STEPS steps from a random
+  model, which then answers about 70% of the held-out prompts exactly (greedy) and half of its samples."""
+  root = tmp_path_factory.mktemp("grpo")
+  texts = [" ".join(chat_synth.WORDS) + "\nreverse: value of\n"] * 20
+  tok = tokenizer_lib.train_tokenizer(texts, str(root / "tok.model"), vocab_size=360, num_threads=1)
+  train_file, _ = chat_synth.write_synthetic_chat(str(root / "task"), "reverse", 640, 1, min_words=2, max_words=2)
+  data_dir = str(root / "data")
+  preprocessing.preprocess([train_file], data_dir, tokenizer=tok.path, data_format="chat", num_train_shards=1,
+                           validation_fraction=0.1, progress=False, cache_dir=None)
+  base_dir, sft_dir = str(root / "base"), str(root / "sft")
+  run = config_lib.TrainConfig(
+      model_dir=sft_dir, data_dir=data_dir, train_steps=SFT_STEPS, batch_size=16, seq_len=32, log_every=50,
+      eval_every=0, checkpoint_every=SFT_STEPS, mesh_shape={"data": -1},
+      data=config_lib.DataConfig(eval_batches=0, shuffle_buffer=256),
+      checkpoint=config_lib.CheckpointConfig(async_save=False, warm_start_from=base_dir, warm_start_required=True))
+  opt = optimizer_lib.OptimizerConfig(learning_rate=1e-2, warmup_steps=10, decay="constant")
+  checkpointing.save_params(base_dir, model_params(experiment_lib.Experiment(run, MODEL, opt), seed=0))
+  trainer.train(run, MODEL, opt)
+  return data_dir, train_file, sft_dir
+
+
+def test_prompts_are_the_conversations_before_their_last_assistant_turn(sft, tmp_path):
+  data_dir, train_file, sft_dir = sft
+  exp = experiment_lib.Experiment(grpo_config(tmp_path, data_dir, sft_dir), MODEL, GRPO_OPT)
+  prompts = exp.rollouts.train
+  assert not any(prompts.skipped.values()) and len(prompts.prompts) == exp.manifest["splits"]["train"]["num_documents"]
+  encoder = chat_eval.encoder_for(exp, chat.ChatTemplate())
+  lines = {tuple(encoder.prompt_ids(line.messages)): line.reference
+           for line in chat_eval.read_chat_lines(train_file, require_reference=True)}
+  for ids, reference in zip(prompts.prompts, prompts.references):  # exactly what `infer --chat` would prompt
+    assert lines[tuple(ids)] == reference
+  # a row too short for the answer budget leaves no prompt: named, with the key to change
+  with pytest.raises(ValueError, match=r"split 'train' has no usable GRPO prompt .*no_room_for_max_new_tokens"):
+    _ = experiment_lib.Experiment(grpo_config(tmp_path, data_dir, sft_dir, max_new_tokens=30), MODEL,
+                                  GRPO_OPT).rollouts
+
+
+def test_bad_grpo_configurations_are_one_line_errors_naming_the_key(sft, corpus, tmp_path):
+  data_dir, _, sft_dir = sft
+  for objective, message in [
+      (dict(num_generations=1), r"ObjectiveConfig.num_generations=1: GRPO compares each sample with the others"),
+      (dict(num_generations=3), r"BATCH_SIZE=128 is not a multiple of ObjectiveConfig.num_generations=3"),
+      (dict(reward="nope"), r"ObjectiveConfig.reward='nope' is not a registered reward function"),
+      (dict(max_new_tokens=0), r"ObjectiveConfig.max_new_tokens=0 must be in \[1, SEQ_LEN=32\]")]:
+    with pytest.raises(ValueError, match=message) as raised:
+      experiment_lib.Experiment(grpo_config(tmp_path, data_dir, sft_dir, **objective), MODEL, GRPO_OPT)
+    assert "\n" not in str(raised.value)
+  with pytest.raises(ValueError, match=r"ObjectiveConfig.name='grpo' samples answers to the prompts of a chat "
+                                       r"DATA_DIR .* has format 'text'"):
+    experiment_lib.Experiment(grpo_config(tmp_path, corpus, sft_dir), MODEL, GRPO_OPT)
+
+
+@pytest.mark.slow  # 100 SFT steps (the fixture), 40 + 10 GRPO steps with rollouts (≈ 60 s on 2 loaded cores)
+def test_grpo_raises_the_held_out_reward_and_a_resumed_run_repeats_the_same_rollouts(sft, tmp_path):
+  """GRPO from the SFT model with the exact-match reward: the greedy answers to the held-out prompts score well
+  above the SFT model's, and so do the training samples; a copy rewound to the step-30 checkpoint and resumed
+  samples the same completions (same rewards, lengths) and makes the same updates (same loss), bit for bit."""
+  data_dir, _, sft_dir = sft
+  config = grpo_config(tmp_path / "grpo", data_dir, sft_dir)
+  exp = experiment_lib.Experiment(config, MODEL, GRPO_OPT)
+  with exp.context():
+    _, sft_params = checkpointing.restore_params(sft_dir, abstract_params=exp.abstract_with_shardings().params)
+  before = exp.evaluate(sft_params)
+  after = trainer.train(config, MODEL, GRPO_OPT)
+  print("held-out reward", before["eval/reward_mean"], "→", after["eval/reward_mean"])
+  assert before["eval/prompts"] == after["eval/prompts"] == exp.manifest["splits"]["validation"]["num_documents"]
+  assert 0.5 <= before["eval/reward_mean"] <= 0.8  # the SFT model is half-way there
+  assert after["eval/reward_mean"] >= before["eval/reward_mean"] + 0.08
+  logged = lambda d: {r["step"]: r for r in map(json.loads, open(os.path.join(d, "metrics.jsonl"))) if "loss" in r}
+  first = logged(tmp_path / "grpo")
+  assert first[GRPO_STEPS]["reward_mean"] >= first[5]["reward_mean"] + 0.1  # the samples improve too
+  assert first[GRPO_STEPS]["kl"] == 0.0 and first[GRPO_STEPS]["clip_fraction"] < 0.05
+  rewound = conftest.rewind(tmp_path / "grpo", tmp_path / "resumed", 30)
+  trainer.train(dataclasses.replace(config, model_dir=rewound), MODEL, GRPO_OPT)
+  second = logged(rewound)
+  assert sorted(second) == [35, 40]
+  for step in second:
+    for key in ("reward_mean", "reward_std", "response_length", "loss", "grad_norm"):
+      assert second[step][key] == first[step][key], (step, key)
