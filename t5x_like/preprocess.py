@@ -35,7 +35,7 @@ except ImportError:
 def define_flags():
   f = flags
   f.DEFINE_multi_string("input", None, "Input glob(s): *.jsonl/*.json, plain text (each optionally .gz/.zst), "
-                        "*.parquet, *.html, or a datasets.save_to_disk folder.")
+                        "*.parquet, *.html, *.tfrecord, or a datasets.save_to_disk folder.")
   f.DEFINE_string("output_dir", None, "DATA_DIR to write (local or gs://...).")
   f.DEFINE_enum("format", "text", ["text", "chat", "preference"], "text: documents; chat: JSON-lines conversations "
                 "({messages: [{role, content}]} or {prompt, completion}) with per-token loss weights; preference: "
@@ -60,7 +60,8 @@ def define_flags():
   f.DEFINE_integer("num_validation_shards", 1, "Number of validation shards.")
   f.DEFINE_float("validation_fraction", 0.01, "Share of documents in the validation split.")
   f.DEFINE_integer("seed", 0, "Seed of the split and the shard assignment.")
-  f.DEFINE_string("text_field", "text", "JSON field / Parquet or datasets column holding the text.")
+  f.DEFINE_string("text_field", "text", "JSON field / Parquet or datasets column / TFRecord feature (seqio: "
+                "targets) holding the text (a TFRecord int64 feature: token ids of --tokenizer).")
   f.DEFINE_enum("doc_split", "file", ["file", "blank_line"], "Plain text: one doc per file or paragraph.")
   f.DEFINE_integer("pack_length", None, "Write packed rows of this many tokens (seq_len + 1).")
   f.DEFINE_integer("num_workers", 0, "Tokenization processes (0: CPU count).")

@@ -150,3 +150,19 @@ def test_training_logs_per_source_tokens_and_eval_loss_and_resumes_bit_identical
   for step in (3, 4):
     assert resumed[step]["loss"] == straight[step]["loss"]
     assert all(resumed[step][f"data/tokens/{n}"] == straight[step][f"data/tokens/{n}"] for n in names)
+
+
+def test_gin_binds_a_mixture_and_its_stages():
+  import gin  # pylint: disable=g-import-not-at-top
+  from t5x_like import cli  # pylint: disable=g-import-not-at-top
+  gin.clear_config()
+  try:
+    cli.register_all()
+    gin.parse_config(["data.DataConfig.mixture = {'/data/web': 0.8, '/data/code': 0.2}",
+                      "data.DataConfig.mixture_stages = ()"])
+    assert cli.train_config().data.mixture == {"/data/web": 0.8, "/data/code": 0.2}
+    gin.parse_config(["data.DataConfig.mixture = None",
+                      "data.DataConfig.mixture_stages = ((0, {'/a': 1.0, '/b': 0.0}), (500, {'/a': 0.5, '/b': 0.5}))"])
+    assert cli.train_config().data.mixture_stages[1] == (500, {"/a": 0.5, "/b": 0.5})
+  finally:
+    gin.clear_config()

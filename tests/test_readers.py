@@ -98,3 +98,34 @@ def test_small_corpus_gets_the_stated_validation_minimum(corpus, tmp_path):
                        min_validation_documents=0, min_validation_tokens=0, **kw)
   assert bare["validation"]["num_documents"] < 6 and "validation_minimum" not in bare
   assert shard_writer.MAX_TOPPED_UP_FRACTION == 0.1
+
+
+def write_tfrecord(path, examples, compression=None):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  with tf.io.TFRecordWriter(str(path), options=compression) as w:
+    for features in examples:
+      feature = {k: tf.train.Feature(bytes_list=tf.train.BytesList(value=[v.encode()])) if isinstance(v, str)
+                 else tf.train.Feature(int64_list=tf.train.Int64List(value=v)) for k, v in features.items()}
+      w.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+
+
+def test_other_trainers_tfrecords_text_feature_and_token_ids(corpus, tmp_path):
+  """seqio-style shards: a text feature `targets` is tokenized here; an int64 feature is token ids of
+  --tokenizer's vocabulary, read back as the same documents."""
+  tok = tokenizer_lib.Tokenizer.load(os.path.join(corpus, "tokenizer.model"))
+  rows = [{"targets": t, "ids": tok.encode(t), "other": "x"} for t in TEXTS[:6]]
+  write_tfrecord(tmp_path / "task.tfrecord-00000-of-00002", rows[:3])
+  write_tfrecord(tmp_path / "task.tfrecord-00001-of-00002.gz", rows[3:], "GZIP")
+  inputs = [str(tmp_path / "task.tfrecord-*")]
+  assert {pp.input_kind(f) for f in pp.expand_inputs(inputs)} == {"tfrecord"}
+  text = pp.preprocess(inputs, str(tmp_path / "text"), tokenizer=corpus, text_field="targets", **KW)
+  ids = pp.preprocess(inputs, str(tmp_path / "ids"), tokenizer=corpus, text_field="ids", **KW)
+  assert decoded_documents(str(tmp_path / "text")) == decoded_documents(str(tmp_path / "ids")) == sorted(TEXTS[:6])
+  assert text["documents_out"] == 6
+  with pytest.raises(ValueError, match=r"task.tfrecord-00000-of-00002': no record has the feature 'body'"):
+    pp.preprocess(inputs, str(tmp_path / "o"), tokenizer=corpus, text_field="body", **KW)
+  raw = (tmp_path / "task.tfrecord-00000-of-00002").read_bytes()
+  (tmp_path / "task.tfrecord-00000-of-00002").write_bytes(raw[:-9])  # truncated: skipped, named, rest read
+  cut = pp.preprocess(inputs, str(tmp_path / "cut"), tokenizer=corpus, text_field="targets", **KW)
+  assert cut["dropped"]["corrupt_input"] == 1 and cut["documents_out"] == 3
+  assert "task.tfrecord-00000-of-00002" in cut["filter_examples"]["corrupt_input"][0]

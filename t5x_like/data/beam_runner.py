@@ -28,17 +28,26 @@ log = logging.getLogger(__name__)
 _PARTS = ".beam-parts"  # per-shard manifest entries and counts, read back by the driver
 
 
-def _scan_file(element, cleaning, doc_split, text_field):
+class _ScanFile(beam.DoFn):
   """(file index, path) -> (hash, ((file index, doc index), text, signature)) per document; its counts and
-  examples tagged."""
-  index, path = element
-  scan = text_cleaning.scan_file(pp.read_raw(path), pp.input_kind(path), cleaning, doc_split, text_field,
-                                 name=path)
-  for j, text in enumerate(scan.texts):
-    sig = None if scan.signatures is None else scan.signatures[j]
-    yield (scan.hashes[j].tobytes(), ((index, j), text, sig))
-  yield beam.pvalue.TaggedOutput("counts", dict(scan.counts))
-  yield beam.pvalue.TaggedOutput("examples", (index, scan.examples))
+  examples tagged. The tokenizer model decodes TFRecord token-id features (text_cleaning.read_documents)."""
+
+  def __init__(self, model_proto, cleaning, doc_split, text_field):
+    self._model, self._args = model_proto, (cleaning, doc_split, text_field)
+
+  def setup(self):
+    text_cleaning.init_worker(self._model)
+
+  def process(self, element):
+    index, path = element
+    cleaning, doc_split, text_field = self._args
+    scan = text_cleaning.scan_file(pp.read_raw(path), pp.input_kind(path), cleaning, doc_split, text_field,
+                                   name=path)
+    for j, text in enumerate(scan.texts):
+      sig = None if scan.signatures is None else scan.signatures[j]
+      yield (scan.hashes[j].tobytes(), ((index, j), text, sig))
+    yield beam.pvalue.TaggedOutput("counts", dict(scan.counts))
+    yield beam.pvalue.TaggedOutput("examples", (index, scan.examples))
 
 
 def _first_of_duplicates(element, dedup: bool):
@@ -175,7 +184,8 @@ def run(inputs: Sequence[str] | str, output_dir: str, *, runner: str = "DirectRu
     docs, counts, file_examples = (
         p | "Inputs" >> beam.Create(list(enumerate(files)))
         | "Reshuffle" >> beam.Reshuffle()
-        | "Scan" >> beam.FlatMap(_scan_file, cleaning, doc_split, text_field)
+        | "Scan" >> beam.ParDo(_ScanFile(tok.encoder_model if tokenizer else None, cleaning, doc_split,
+                                         text_field))
         .with_outputs("counts", "examples", main="docs"))
     unique, dup_counts = (docs | "ByHash" >> beam.GroupByKey()
                           | "Dedup" >> beam.FlatMap(_first_of_duplicates, cleaning.dedup)

@@ -151,11 +151,13 @@ def get_tokenizer(files, file_hashes, opts, cache: Cache, num_workers, texts=Non
   return tok
 
 
-def scan_inputs(files, cleaning, doc_split, text_field, num_workers, score_field=None
+def scan_inputs(files, cleaning, doc_split, text_field, num_workers, score_field=None, tok=None
                 ) -> list[text_cleaning.FileScan]:
-  """Reads, cleans, filters and hashes every input in worker processes (text_cleaning.scan_file)."""
+  """Reads, cleans, filters and hashes every input in worker processes (text_cleaning.scan_file); `tok`
+  (the given --tokenizer, if any) decodes the token ids of TFRecord inputs."""
   args = ((read_raw(f), input_kind(f), cleaning, doc_split, text_field, score_field, f) for f in files)
-  return list(_pool_map(text_cleaning.worker_scan_file, args, num_workers, text_cleaning.init_worker, (None,)))
+  return list(_pool_map(text_cleaning.worker_scan_file, args, num_workers, text_cleaning.init_worker,
+                        (tok.encoder_model if tok else None,)))
 
 
 def tokenize_kept(files, file_hashes, scans, keep, tok, cleaning, doc_split, text_field, cache: Cache,
@@ -392,7 +394,13 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
   num_workers = num_workers or os.cpu_count() or 1
   cache = Cache(shard_writer.join(output_dir, ".cache") if cache_dir == "" else cache_dir)
   file_hashes = [hashlib.sha256(read_raw(f)).hexdigest() for f in files]
-  scans = scan_inputs(files, cleaning, doc_split, text_field, num_workers, score_field)
+  opts = {"tokenizer": tokenizer,
+          "tokenizer_args": dict(vocab_size=vocab_size, model_type=model_type,
+                                 byte_fallback=byte_fallback, character_coverage=character_coverage,
+                                 max_training_chars=max_tokenizer_chars),
+          "doc_args": (cleaning, doc_split, text_field)}
+  given = get_tokenizer(files, file_hashes, opts, cache, num_workers) if tokenizer else None
+  scans = scan_inputs(files, cleaning, doc_split, text_field, num_workers, score_field, given)
   counts = collections.Counter()
   for scan in scans:
     counts.update(scan.counts)
@@ -401,13 +409,8 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
       scans, cleaning.dedup, cleaning.near_dedup, lambda rule, text: quality_filters.note(examples, rule, text))
   counts.update(dedup_counts)
   t_scan = time.time()
-  opts = {"tokenizer": tokenizer,
-          "tokenizer_args": dict(vocab_size=vocab_size, model_type=model_type,
-                                 byte_fallback=byte_fallback, character_coverage=character_coverage,
-                                 max_training_chars=max_tokenizer_chars),
-          "doc_args": (cleaning, doc_split, text_field)}
   # trained on every cleaned document, duplicates included, as the Beam runner's driver does
-  tok = get_tokenizer(files, file_hashes, opts, cache, num_workers, texts=(t for scan in scans for t in scan.texts))
+  tok = given or get_tokenizer(files, file_hashes, opts, cache, num_workers, texts=(t for scan in scans for t in scan.texts))
   t_tok = time.time()
   per_file = tokenize_kept(files, file_hashes, scans, keep, tok, cleaning, doc_split, text_field, cache,
                            num_workers, progress, score_field, counts)

@@ -194,6 +194,10 @@ def read_documents(raw: bytes, kind: str, doc_split: str, text_field: str, count
     if score_field:
       raise ValueError(f"--order_by=field:{score_field} needs JSON-lines input: '{name}' is {kind}")
     return readers.table_texts(raw, kind, text_field, name, counts), None
+  if kind == "tfrecord":
+    if score_field:
+      raise ValueError(f"--order_by=field:{score_field} needs JSON-lines input: '{name}' is {kind}")
+    return readers.tfrecord_texts(raw, text_field, name, counts, getattr(_worker_sp, "decode", None)), None
   text = decode_utf8(readers.decompress(raw, name))
   if not text.strip():  # an empty input: named in the report (empty_input)
     return [], None
@@ -291,10 +295,9 @@ _worker_sp = None
 
 def init_worker(model_proto: bytes | None) -> None:
   """multiprocessing initializer: one single-threaded encoder per worker, from a SentencePiece model
-  proto or an HF tokenizer.json (a tokenizer's `encoder_model`)."""
+  proto or an HF tokenizer.json (a tokenizer's `encoder_model`); it also decodes TFRecord token-id features."""
   global _worker_sp
-  if model_proto is not None:
-    _worker_sp = tokenizer_formats.encoder(model_proto)
+  _worker_sp = None if model_proto is None else tokenizer_formats.encoder(model_proto)
 
 
 def worker_scan_file(args: tuple) -> FileScan:
