@@ -145,16 +145,24 @@ GRPO_OPT = optimizer_lib.OptimizerConfig(learning_rate=3e-3, warmup_steps=10, de
 
 
 @pytest.fixture(scope="module")
-def sft(tmp_path_factory):
-  """(chat DATA_DIR of 'reverse two words', its held-out lines, an SFT MODEL_DIR): SFT_STEPS steps from a random
-  model, which then answers about 70% of the held-out prompts exactly (greedy) and half of its samples."""
-  root = tmp_path_factory.mktemp("grpo")
+def chat_data(tmp_path_factory):
+  """(chat DATA_DIR of 'reverse two words' with a held-out split, the JSON-lines file it was made from)."""
+  root = tmp_path_factory.mktemp("grpo_data")
   texts = [" ".join(chat_synth.WORDS) + "\nreverse: value of\n"] * 20
   tok = tokenizer_lib.train_tokenizer(texts, str(root / "tok.model"), vocab_size=360, num_threads=1)
   train_file, _ = chat_synth.write_synthetic_chat(str(root / "task"), "reverse", 640, 1, min_words=2, max_words=2)
   data_dir = str(root / "data")
   preprocessing.preprocess([train_file], data_dir, tokenizer=tok.path, data_format="chat", num_train_shards=1,
                            validation_fraction=0.1, progress=False, cache_dir=None)
+  return data_dir, train_file
+
+
+@pytest.fixture(scope="module")
+def sft(chat_data, tmp_path_factory):
+  """(chat DATA_DIR, its source file, an SFT MODEL_DIR): SFT_STEPS steps from a random model, which then answers
+  about 70% of the held-out prompts exactly (greedy) and half of its samples."""
+  data_dir, train_file = chat_data
+  root = tmp_path_factory.mktemp("grpo")
   base_dir, sft_dir = str(root / "base"), str(root / "sft")
   run = config_lib.TrainConfig(
       model_dir=sft_dir, data_dir=data_dir, train_steps=SFT_STEPS, batch_size=16, seq_len=32, log_every=50,
@@ -167,8 +175,8 @@ def sft(tmp_path_factory):
   return data_dir, train_file, sft_dir
 
 
-def test_prompts_are_the_conversations_before_their_last_assistant_turn(sft, tmp_path):
-  data_dir, train_file, sft_dir = sft
+def test_prompts_are_the_conversations_before_their_last_assistant_turn(chat_data, tmp_path):
+  (data_dir, train_file), sft_dir = chat_data, ""  # nothing is restored to read prompts
   exp = experiment_lib.Experiment(grpo_config(tmp_path, data_dir, sft_dir), MODEL, GRPO_OPT)
   prompts = exp.rollouts.train
   assert not any(prompts.skipped.values()) and len(prompts.prompts) == exp.manifest["splits"]["train"]["num_documents"]
@@ -183,8 +191,8 @@ def test_prompts_are_the_conversations_before_their_last_assistant_turn(sft, tmp
                                   GRPO_OPT).rollouts
 
 
-def test_bad_grpo_configurations_are_one_line_errors_naming_the_key(sft, corpus, tmp_path):
-  data_dir, _, sft_dir = sft
+def test_bad_grpo_configurations_are_one_line_errors_naming_the_key(chat_data, corpus, tmp_path):
+  (data_dir, _), sft_dir = chat_data, ""
   for objective, message in [
       (dict(num_generations=1), r"ObjectiveConfig.num_generations=1: GRPO compares each sample with the others"),
       (dict(num_generations=3), r"BATCH_SIZE=128 is not a multiple of ObjectiveConfig.num_generations=3"),
@@ -225,3 +233,37 @@ def test_grpo_raises_the_held_out_reward_and_a_resumed_run_repeats_the_same_roll
   for step in second:
     for key in ("reward_mean", "reward_std", "response_length", "loss", "grad_norm"):
       assert second[step][key] == first[step][key], (step, key)
+
+
+@pytest.mark.slow  # the SFT fixture, rollouts and a reward model (≈ 20 s)
+def test_a_learned_reward_scores_each_prompt_and_completion_with_the_reward_model(sft, tmp_path):
+  """reward='reward_model': the reward of a rollout is the reward model's score head read at the completion's end
+  marker, computed here independently from the rollout row the step trains on (RLHF with a learned reward)."""
+  data_dir, _, sft_dir = sft
+  rm_config = dataclasses.replace(MODEL, score_head=True)
+  rm_dir = str(tmp_path / "rm")
+  exp = experiment_lib.Experiment(grpo_config(tmp_path / "g", data_dir, sft_dir, reward="reward_model",
+                                              reward_checkpoint=rm_dir, temperature=0.0), MODEL, GRPO_OPT)
+  rm_exp = experiment_lib.Experiment(grpo_config(tmp_path / "r", data_dir, sft_dir), rm_config, GRPO_OPT)
+  rm_params, rm_config = model_params(rm_exp, seed=3), rm_exp.model_config  # the DATA_DIR's vocabulary filled in
+  checkpointing.save_params(rm_dir, rm_params)
+  with open(os.path.join(rm_dir, "model.gin"), "w") as f:
+    f.writelines(f"model.GPTConfig.{name} = {getattr(rm_config, name)!r}\n" for name in (
+        "num_layers", "num_heads", "d_model", "d_ff", "max_len", "tie_embeddings", "position_embedding", "norm",
+        "mlp_activation", "use_bias", "score_head", "vocab_size"))
+  with exp.context():
+    _, params = checkpointing.restore_params(sft_dir, abstract_params=exp.abstract_with_shardings().params)
+    batch, host = exp.rollouts.batch(params, 1)
+  rows = {k: np.asarray(v) for k, v in batch.items()}
+  end = exp.rollouts.encoder.marker_ids["end"]
+  model = model_lib.GPT(rm_config)
+  expected = []
+  for inputs, targets, weights in zip(rows["inputs"], rows["targets"], rows["weights"]):
+    last = int(np.flatnonzero(weights)[-1])  # the position predicting the completion's last token
+    tokens = np.append(inputs[:last + 1], targets[last])  # prompt + completion
+    tokens = (tokens if targets[last] == end else np.append(tokens, end))[None]  # one cut by max_new_tokens: + end
+    hidden = model.apply({"params": rm_params}, tokens, np.arange(tokens.shape[1])[None], np.ones_like(tokens),
+                         return_hidden=True)
+    expected.append(float(model_lib.project_scores(rm_params, hidden, rm_config)[0, -1]))
+  assert host["reward_mean"] == pytest.approx(np.mean(expected), rel=1e-5)
+  assert np.std(expected) > 0  # a random reward model tells the completions apart

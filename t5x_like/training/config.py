@@ -113,6 +113,7 @@ class ObjectiveConfig:
   max_new_tokens: int = 16  # rollout length budget per completion
   temperature: float = 1.0  # rollout sampling temperature (top_k below; evaluation is greedy)
   top_k: int = 0
+  reward_checkpoint: str = ""  # the `reward_model` reward: a reward model's MODEL_DIR (configs/runs/reward.gin)
   # distill (configs/runs/distill.gin): the frozen teacher (TEACHER_CHECKPOINT_PATH), a MODEL_DIR, checkpoints/<step>
   # or converted checkpoint whose model.gin / config.gin gives its (possibly larger) model config; the loss is
   # distill_alpha · T² · KL(teacher_T ‖ student_T) + (1 − distill_alpha) · CE with T = distill_temperature.

@@ -4,7 +4,8 @@ A reward function maps one rollout batch to one float per completion:
 
   fn(completions: list[str], references: list[str], prompts: list[str], *, config) -> list[float]
 
-where `completions` is the generated assistant text (decoded, cut at the end marker), `references` the
+(a function with the attribute `wants_sequences = True` also gets `sequences`, each prompt's token ids followed by
+its completion's up to the end marker, and `mesh`, the training mesh), where `completions` is the generated assistant text (decoded, cut at the end marker), `references` the
 reference answer of each prompt's conversation in the DATA_DIR, `prompts` the prompt text, and `config` the
 run's ObjectiveConfig. Register your own with `@rewards.register("name")` in a module that a gin file imports
 (`import my_project.my_rewards` at the top of the gin file), then bind `objective.ObjectiveConfig.reward = 'name'`.
@@ -18,6 +19,8 @@ Built in:
 
 import re
 from typing import Callable, Dict, Sequence
+
+from t5x_like.training import reward_scoring
 
 RewardFn = Callable[..., Sequence[float]]
 _REGISTRY: Dict[str, RewardFn] = {}
@@ -65,3 +68,23 @@ def format_match(completions, references, prompts, *, config):
   except re.error as e:
     raise ValueError(f"ObjectiveConfig.reward_format={config.reward_format!r} is not a valid regex: {e}") from None
   return [float(pattern.fullmatch(c.strip()) is not None) for c in completions]
+
+
+_SCORERS: Dict[tuple, reward_scoring.RewardModelScorer] = {}
+
+
+def reward_model(completions, references, prompts, *, config, sequences, mesh):
+  """The trained reward model's score of each prompt + completion (RLHF with a learned reward), restored once per
+  (checkpoint, mesh) onto the training mesh."""
+  del completions, references, prompts
+  if not config.reward_checkpoint:
+    raise ValueError("ObjectiveConfig.reward='reward_model' needs ObjectiveConfig.reward_checkpoint, a reward model's "
+                     "MODEL_DIR (configs/runs/reward.gin)")
+  key = (config.reward_checkpoint, id(mesh))
+  if key not in _SCORERS:
+    _SCORERS[key] = reward_scoring.RewardModelScorer(config.reward_checkpoint, mesh=mesh)
+  return [float(x) for x in _SCORERS[key].score(sequences)]
+
+
+reward_model.wants_sequences = True
+register("reward_model")(reward_model)

@@ -184,8 +184,14 @@ class Rollouts:
 
   def score(self, prompt_set: PromptSet, indices, completions) -> np.ndarray:
     texts = [self.encoder.completion_text(c) for c in completions]
+    extra = {}
+    if getattr(self.reward_fn, "wants_sequences", False):  # a reward model reads tokens, through the end marker
+      end = self.encoder.marker_ids["end"]
+      body = lambda c: c[:-1] if c and c[-1] in self.stop_ids else c
+      extra = {"mesh": self.exp.mesh,
+               "sequences": [prompt_set.prompts[i] + body(c) + [end] for i, c in zip(indices, completions)]}
     values = self.reward_fn(texts, [prompt_set.references[i] for i in indices],
-                            [prompt_set.texts[i] for i in indices], config=self.objective_config)
+                            [prompt_set.texts[i] for i in indices], config=self.objective_config, **extra)
     values = np.asarray(values, np.float64).reshape(-1)
     if values.shape != (len(completions),) or not np.all(np.isfinite(values)):
       raise ValueError(f"reward function {self.objective_config.reward!r} returned {values.shape[0]} values "
