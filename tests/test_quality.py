@@ -69,6 +69,11 @@ def test_near_duplicates_are_removed_at_the_threshold_and_kept_below():
   assert near_dedup.find_near_duplicates(sigs, NearDedupConfig(enabled=True, threshold=0.7)) == {1: 0}
   assert near_dedup.find_near_duplicates(sigs, NearDedupConfig(enabled=True, threshold=0.95)) == {}
   assert near_dedup.find_near_duplicates(sigs, NearDedupConfig(enabled=True, threshold=0.3)) == {1: 0, 2: 0}
+  # the LSH index only proposes candidates: one it proposes below the threshold is kept (estimate 0.73 < 0.75)
+  mid = near_dedup.signatures([base, edited(base, 5)], NearDedupConfig(enabled=True))
+  assert 0.7 < np.mean(mid[0] == mid[1]) < 0.75
+  assert near_dedup.find_near_duplicates(mid, NearDedupConfig(enabled=True, threshold=0.75)) == {}
+  assert near_dedup.find_near_duplicates(mid, NearDedupConfig(enabled=True, threshold=0.7)) == {1: 0}
 
 
 @pytest.fixture(scope="module")
