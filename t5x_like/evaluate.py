@@ -79,9 +79,13 @@ def main(argv):
     generate_main(exp)
     return
   result = exp.evaluate_checkpoint(FLAGS.step, FLAGS.split)
-  print(f"step {result['step']}  {result['split']}  loss {result['eval/loss']:.6f}  "
-        f"perplexity {result['eval/perplexity']:.4f}  ({int(result['eval/tokens'])} tokens, "
-        f"{result['eval/batches']} batches)", flush=True)
+  if "eval/loss" in result:
+    print(f"step {result['step']}  {result['split']}  loss {result['eval/loss']:.6f}  "
+          f"perplexity {result['eval/perplexity']:.4f}  ({int(result['eval/tokens'])} tokens, "
+          f"{result['eval/batches']} batches)", flush=True)
+  else:  # GRPO: greedy answers to the validation prompts, scored by the run's reward
+    print(f"step {result['step']}  {result['split']}  reward {result['eval/reward_mean']:.4f}  exact match "
+          f"{result['eval/exact_match']:.4f}  ({result['eval/prompts']} prompts)", flush=True)
   print(json.dumps(result), flush=True)
 
 

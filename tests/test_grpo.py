@@ -222,6 +222,7 @@ def test_grpo_raises_the_held_out_reward_and_a_resumed_run_repeats_the_same_roll
   assert before["eval/prompts"] == after["eval/prompts"] == exp.manifest["splits"]["validation"]["num_documents"]
   assert 0.5 <= before["eval/reward_mean"] <= 0.8  # the SFT model is half-way there
   assert after["eval/reward_mean"] >= before["eval/reward_mean"] + 0.08
+  assert after["eval/exact_match"] == after["eval/reward_mean"]  # the reward is exact match here
   logged = lambda d: {r["step"]: r for r in map(json.loads, open(os.path.join(d, "metrics.jsonl"))) if "loss" in r}
   first = logged(tmp_path / "grpo")
   assert first[GRPO_STEPS]["reward_mean"] >= first[5]["reward_mean"] + 0.1  # the samples improve too

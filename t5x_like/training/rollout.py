@@ -236,7 +236,8 @@ class Rollouts:
 
   def evaluate(self, params) -> dict:
     """Greedy answers to the validation prompts (DataConfig.eval_batches × BATCH_SIZE of them, else all),
-    scored by the run's reward function: eval/reward_mean, eval/reward_std, eval/response_length."""
+    scored by the run's reward function: eval/reward_mean, eval/reward_std, eval/response_length; and
+    eval/exact_match against the conversations' reference answers, whatever the reward."""
     prompt_set = self.validation
     if prompt_set is None or not prompt_set.prompts:
       raise ValueError(f"DATA_DIR '{self.exp.config.data_dir}' has no validation prompts to evaluate GRPO on")
@@ -244,7 +245,7 @@ class Rollouts:
     count = len(prompt_set.prompts)
     if self.exp.config.data.eval_batches:
       count = min(count, self.exp.config.data.eval_batches * rows)
-    values, lengths = [], []
+    values, lengths, matches = [], [], []
     for start in range(0, count, rows):
       indices = list(range(start, min(start + rows, count)))
       padded = indices + [indices[0]] * (rows - len(indices))  # one compiled shape
@@ -252,6 +253,9 @@ class Rollouts:
                                 temperature=0.0, top_k=0)[:len(indices)]
       values.extend(self.score(prompt_set, indices, completions))
       lengths.extend(len(c) for c in completions)
+      matches.extend(rewards_lib.exact_match([self.encoder.completion_text(c) for c in completions],
+                                             [prompt_set.references[i] for i in indices], None))
     values = np.asarray(values)
     return {"eval/reward_mean": float(values.mean()), "eval/reward_std": float(values.std()),
-            "eval/response_length": float(np.mean(lengths)), "eval/prompts": count}
+            "eval/response_length": float(np.mean(lengths)), "eval/exact_match": float(np.mean(matches)),
+            "eval/prompts": count}
