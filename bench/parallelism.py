@@ -1,16 +1,16 @@
-"""Step time per mesh layout on an 8-device CPU mesh, and the measured GPipe bubble vs (p−1)/(m+p−1).
+"""Step time per mesh layout on an 8-device CPU mesh, and the measured pipeline bubble vs (p−1)/(v·m+p−1).
 
     python bench/parallelism.py [--repeats 5] [--skip_layouts] [--skip_bubble]
 
 Prints two Markdown tables (copied into docs/parallelism.md).
 
-Bubble method. In `pipeline.pipeline_blocks` every stage computes at every one of the m + p − 1
-iterations; the stage-slots that hold no microbatch yet (or any more) compute on stale data whose
+Bubble method. In `pipeline.pipeline_blocks` every stage computes at every one of the v·m + p − 1
+iterations (v = pipeline_repeats: 1 is GPipe, 2 the interleaved schedule with two chunks per device); the stage-slots that hold no microbatch yet (or any more) compute on stale data whose
 result is never read. On accelerators those slots are idle time on the critical path; on this CPU
 mesh the fake devices share the cores, so the same slots show up as extra work. Both give the same
 fraction: bubble = 1 − W_useful / W_pipeline, where W_pipeline is the CPU time (all threads, so
 it does not depend on how busy the shared machine is) of the forward+backward of the block stack
-pipelined over p devices with m microbatches, and W_useful the CPU time of the same computation
+pipelined over p devices (v chunks each) with m microbatches, and W_useful the CPU time of the same computation
 (same layers, same rows) as one sequential `scan_blocks` on one device. What the pipeline adds on
 top of the bubble (rolling the state buffer, injecting inputs, collecting outputs, smaller matmuls)
 is counted in the measured figure too, so measured ≥ theory is expected.
@@ -108,11 +108,12 @@ def layout_step_seconds(mesh_shape: dict, pipeline_microbatches: int, repeats: i
 
 
 @functools.lru_cache(maxsize=None)
-def block_stack_seconds(stages: int, microbatches: int, repeats: int) -> float:
+def block_stack_seconds(stages: int, microbatches: int, repeats: int, virtual: int = 1) -> float:
   """Best CPU time (all threads) of forward+backward through the block stack: pipelined over `stages` devices
-  with `microbatches` microbatches, or sequential on one device when stages == 1."""
+  (`virtual` chunks each) with `microbatches` microbatches, or sequential on one device when stages == 1."""
   rows = BUBBLE_ROWS_PER_MICROBATCH * microbatches
-  cfg = dataclasses.replace(BUBBLE_CFG, num_stages=stages, pipeline_microbatches=microbatches)
+  cfg = dataclasses.replace(BUBBLE_CFG, num_stages=stages, pipeline_microbatches=microbatches,
+                            pipeline_repeats=virtual if stages > 1 else 1)
   cfg.validate()
   mesh = mesh_lib.create_mesh({"pipeline": stages}, jax.devices()[:stages])
   params = partitioning.unbox(blocks.init_stacked_blocks(cfg, jax.random.key(0), cfg.num_layers))
@@ -140,6 +141,7 @@ def main():
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--skip_layouts", action="store_true")
   parser.add_argument("--skip_bubble", action="store_true")
+  parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16], help="pipeline microbatches m")
   args = parser.parse_args()
   print(f"jax {jax.__version__}, {jax.device_count()} CPU devices, {os.cpu_count()} cores visible\n")
   if not args.skip_layouts:
@@ -157,14 +159,16 @@ def main():
     print(f"Pipeline bubble: forward+backward of {c.num_layers} blocks (d_model {c.d_model}, d_ff {c.d_ff}), "
           f"{BUBBLE_ROWS_PER_MICROBATCH} rows × {BUBBLE_SEQ} tokens per microbatch; CPU seconds, "
           f"best of {args.repeats}\n")
-    print("| p | m | sequential CPU ms | pipelined CPU ms | measured bubble | (p−1)/(m+p−1) |\n"
-          "|---:|---:|---:|---:|---:|---:|")
+    print("| p | v | m | sequential CPU ms | pipelined CPU ms | measured bubble | (p−1)/(v·m+p−1) | difference |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|---:|")
     for stages in (2, 4):
-      for m in (1, 2, 4, 8):
-        useful = block_stack_seconds(1, m, args.repeats)
-        piped = block_stack_seconds(stages, m, args.repeats)
-        print(f"| {stages} | {m} | {useful * 1e3:.1f} | {piped * 1e3:.1f} | {1 - useful / piped:.3f} | "
-              f"{pipeline.bubble_fraction(stages, m):.3f} |", flush=True)
+      for virtual in (1, 2):
+        for m in args.microbatches:
+          useful = block_stack_seconds(1, m, args.repeats)
+          piped = block_stack_seconds(stages, m, args.repeats, virtual)
+          theory = pipeline.bubble_fraction(stages, m, virtual)
+          print(f"| {stages} | {virtual} | {m} | {useful * 1e3:.1f} | {piped * 1e3:.1f} | {1 - useful / piped:.3f} | "
+                f"{theory:.3f} | {1 - useful / piped - theory:+.3f} |", flush=True)
 
 
 if __name__ == "__main__":

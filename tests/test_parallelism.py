@@ -1,4 +1,5 @@
-"""Every mesh layout trains exactly like one device: data, fsdp, tensor, pipeline, combined, with
+"""Every mesh layout trains exactly like one device: data, fsdp, tensor, pipeline (GPipe and interleaved),
+sequence (context parallelism), combined, with
 gradient accumulation and remat; parameters and optimizer state are really sharded; bad layouts
 are refused up front with errors naming the key.
 
@@ -48,11 +49,12 @@ def synthetic_batch(seed: int = 0) -> dict:
           "positions": positions, "weights": (segment_ids != 0).astype(np.float32)}
 
 
-def make_layout(mesh_shape: dict, *, remat: str = "none", pipeline_microbatches: int = 0, devices=None, base=CFG):
+def make_layout(mesh_shape: dict, *, remat: str = "none", pipeline_microbatches: int = 0, pipeline_repeats: int = 1,
+                devices=None, base=CFG):
   """(mesh, validated model config, model, optimizer, lr schedule) for a mesh layout of the `base` model."""
   mesh = mesh_lib.create_mesh(mesh_shape, devices)
   cfg = dataclasses.replace(base, remat_policy=remat, num_stages=mesh.shape["pipeline"],
-                            pipeline_microbatches=pipeline_microbatches)
+                            pipeline_microbatches=pipeline_microbatches, pipeline_repeats=pipeline_repeats)
   cfg.validate()
   model = model_lib.GPT(cfg)
   return mesh, cfg, model, optimizer.make_optimizer(OPT, 10), optimizer.learning_rate_schedule(OPT, 10)
@@ -72,10 +74,10 @@ def initial_state():
 
 
 def train(initial, mesh_shape: dict, *, num_microbatches: int = 1, remat: str = "none",
-          pipeline_microbatches: int = 0, devices=None, base=CFG):
+          pipeline_microbatches: int = 0, pipeline_repeats: int = 1, devices=None, base=CFG):
   """Runs STEPS train steps from `initial` on one batch; returns ([(loss, grad_norm)], params as numpy)."""
   mesh, cfg, model, tx, lr_fn = make_layout(mesh_shape, remat=remat, pipeline_microbatches=pipeline_microbatches,
-                                            devices=devices, base=base)
+                                            pipeline_repeats=pipeline_repeats, devices=devices, base=base)
   config_lib.check_layout(cfg, mesh.shape, batch_size=BATCH, num_microbatches=num_microbatches)
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
     _, shardings = train_state.state_shardings(model, tx, mesh, RULES)
@@ -112,17 +114,20 @@ def assert_same_training(result, reference_run, param_atol=PARAM_ATOL):
 LAYOUTS = {
     "data8": dict(mesh_shape={"data": 8}),
     "fsdp8": dict(mesh_shape={"fsdp": 8}),
-    "tensor8": dict(mesh_shape={"tensor": 8}),
     "data2_fsdp2_tensor2": dict(mesh_shape={"data": 2, "fsdp": 2, "tensor": 2}),
-    "pipeline2_data2_tensor2": dict(mesh_shape={"pipeline": 2, "data": 2, "tensor": 2}),
+    # interleaved: each of the 2 stages holds layers {0, 2} or {1, 3}, 4 microbatches go round twice
+    "pipeline2_data2_tensor2_v2": dict(mesh_shape={"pipeline": 2, "data": 2, "tensor": 2}, pipeline_repeats=2),
     "pipeline4_fsdp2": dict(mesh_shape={"pipeline": 4, "fsdp": 2}),
     "pipeline2_fsdp2_tensor2_m8": dict(mesh_shape={"pipeline": 2, "fsdp": 2, "tensor": 2},
                                        pipeline_microbatches=8),
+    # context parallelism: activations split along the sequence, keys/values all-gathered per layer
+    "sequence2_data2_tensor2": dict(mesh_shape={"sequence": 2, "data": 2, "tensor": 2}),
+    "sequence4_tensor2": dict(mesh_shape={"sequence": 4, "tensor": 2}),
 }
 
 
 # The fast subset keeps one layout per kind (pure data; data×fsdp×tensor; pipelines are slow-marked);
-# the full suite (CI) runs all seven.
+# the full suite (CI) runs all eight.
 FAST_LAYOUTS = ("data8", "data2_fsdp2_tensor2")
 
 
@@ -133,7 +138,7 @@ def test_layout_trains_like_one_device(layout, initial_state, reference):
 
 
 # Accumulation + full remat on two layouts that between them split over every axis (data, fsdp, tensor,
-# pipeline with 8 pipeline microbatches); the plain variant above covers all seven layouts.
+# pipeline with 8 pipeline microbatches); the plain variant above covers all eight layouts.
 ACCUMULATION_LAYOUTS = ("data2_fsdp2_tensor2", "pipeline2_fsdp2_tensor2_m8")
 
 
@@ -194,6 +199,20 @@ def test_cross_entropy_is_vocab_parallel(initial_state):
   assert f"[{BATCH},{SEQ},{CFG.vocab_size}]" not in hlo
 
 
+def test_sequence_axis_splits_activations_along_the_length(initial_state):
+  """With sequence=4 the compiled loss holds (B, T/4, V) logits and (B, H, T/4, T) attention scores per device:
+  queries split along the length, keys and values gathered whole; never the full (B, T, V) logits."""
+  mesh, _, model, _, _ = make_layout({"sequence": 4}, devices=jax.devices()[:4])
+  with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    _, shardings = train_state.state_shardings(model, optimizer.make_optimizer(OPT, 10), mesh, RULES)
+    loss = jax.jit(lambda p, b: language_model.LanguageModel(model.apply).loss(p, b)[:2],
+                   in_shardings=(shardings.params, partitioning.batch_sharding(mesh, RULES)))
+    hlo = loss.lower(initial_state.params, synthetic_batch()).compile().as_text()
+  assert f"[{BATCH},{SEQ // 4},{CFG.vocab_size}]" in hlo
+  assert f"[{BATCH},{CFG.num_heads},{SEQ // 4},{SEQ}]" in hlo
+  assert f"[{BATCH},{SEQ},{CFG.vocab_size}]" not in hlo
+
+
 def loss_grads(cfg: model_lib.GPTConfig, params) -> list:
   batch = synthetic_batch()
   grad = jax.jit(jax.grad(lambda p: language_model.LanguageModel(model_lib.GPT(cfg).apply).loss(p, batch)[0]))
@@ -236,11 +255,23 @@ def check(model_overrides: dict, mesh_shape: dict, batch_size: int = BATCH, num_
     ({"num_stages": 2, "pipeline_microbatches": 8}, {"pipeline": 2, "data": 4}, 16, 1,
      "GPTConfig.pipeline_microbatches=8"),
     ({"remat_policy": "everything"}, {"data": 8}, BATCH, 1, "GPTConfig.remat_policy"),
+    ({"num_stages": 2, "pipeline_repeats": 3}, {"pipeline": 2, "data": 4}, BATCH, 1, "GPTConfig.pipeline_repeats=3"),
+    ({"num_stages": 4, "pipeline_repeats": 2}, {"pipeline": 4, "data": 2}, BATCH, 1, "GPTConfig.pipeline_repeats=2"),
+    ({"num_stages": 2, "pipeline_repeats": 2, "pipeline_microbatches": 1}, {"pipeline": 2, "data": 4}, BATCH, 1,
+     "needs at least one microbatch per stage"),
 ])
 def test_bad_layouts_are_refused_before_compiling(model_overrides, mesh_shape, batch_size, num_microbatches,
                                                   message):
   with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
     check(model_overrides, mesh_shape, batch_size, num_microbatches)
+
+
+def test_sequence_length_must_split_over_the_sequence_axis():
+  config_lib.check_layout(CFG, mesh_lib.resolve_mesh_shape({"sequence": 4, "data": 2}, 8), batch_size=BATCH,
+                          seq_len=16)
+  with pytest.raises(ValueError, match=r"SEQ_LEN=18 is not divisible by MESH_SHAPE\['sequence'\]=4"):
+    config_lib.check_layout(CFG, mesh_lib.resolve_mesh_shape({"sequence": 4, "data": 2}, 8), batch_size=BATCH,
+                            seq_len=18)
 
 
 def test_offload_is_refused_where_the_backend_has_no_host_memory(monkeypatch):

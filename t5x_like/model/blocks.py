@@ -37,6 +37,9 @@ class Attention(nn.Module):
     if cfg.position_embedding == "rope":
       inv_freq = rope_inverse_frequencies(cfg)
       q, k = layers.apply_rope(q, positions, inv_freq), layers.apply_rope(k, positions, inv_freq)
+    # Every query reads the whole sequence's keys/values: with `length` split (context parallelism) an all-gather.
+    k = layers.constrain(k, (ax.BATCH, ax.KV_LENGTH, ax.ACT_KV_HEADS, ax.KV))
+    v = layers.constrain(v, (ax.BATCH, ax.KV_LENGTH, ax.ACT_KV_HEADS, ax.KV))
     new_cache = None
     if cache is not None:  # decoding: write this chunk's keys/values at cache_index, attend to all
       k = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), cache_index, axis=1)

@@ -32,6 +32,9 @@ class GPTConfig:
   attention_impl: str = "reference"  # reference (einsum) | xla / cudnn (jax.nn.dot_product_attention)
   num_stages: int = 1  # pipeline stages the layer stack is split into (set from the mesh)
   pipeline_microbatches: int = 0  # microbatches streamed through the pipeline; 0 = 2 × num_stages
+  # Virtual stages per pipeline device (interleaved/circular schedule): each device runs this many non-adjacent
+  # chunks of layers, cutting the bubble to (p − 1)/(repeats·m + p − 1); needs pipeline_microbatches ≥ num_stages.
+  pipeline_repeats: int = 1
   # Architecture options (the defaults are GPT-2; Llama = rmsnorm, swiglu, rope, num_kv_heads, no biases, untied head).
   norm: str = "layernorm"  # layernorm (scale and bias) | rmsnorm (scale only); epsilon = layer_norm_epsilon
   mlp_activation: str = "gelu"  # gelu (tanh approximation, GPT-2) | swiglu (silu(mlp_gate(x)) * mlp_in(x))
@@ -139,6 +142,14 @@ class GPTConfig:
     if self.num_units % self.num_stages:
       raise ValueError(f"{self._layers_key}={self.num_units} is not divisible by "
                        f"{self.num_stages} pipeline stages")
+    if self.pipeline_repeats < 1 or self.num_units % (self.num_stages * self.pipeline_repeats):
+      raise ValueError(f"GPTConfig.pipeline_repeats={self.pipeline_repeats}: {self._layers_key}={self.num_units} "
+                       f"must be divisible by num_stages × pipeline_repeats = {self.num_stages} × "
+                       f"{self.pipeline_repeats}")
+    if self.num_stages > 1 and self.pipeline_repeats > 1 and pipeline_microbatches(self) < self.num_stages:
+      raise ValueError(f"GPTConfig.pipeline_microbatches={self.pipeline_microbatches} < num_stages="
+                       f"{self.num_stages}: the interleaved schedule (pipeline_repeats={self.pipeline_repeats}) "
+                       f"needs at least one microbatch per stage")
 
   @property
   def _layers_key(self) -> str:
@@ -189,8 +200,9 @@ def pipeline_microbatches(config: GPTConfig) -> int:
   return config.pipeline_microbatches or 2 * config.num_stages
 
 
-def check_layout(config: GPTConfig, mesh_shape, rules=None, *, batch_size: int, num_microbatches: int = 1) -> None:
-  """parallel.layout.check for this model: its widths, stages and pipeline microbatches, and the batch."""
+def check_layout(config: GPTConfig, mesh_shape, rules=None, *, batch_size: int, num_microbatches: int = 1,
+                 seq_len: int = 0) -> None:
+  """parallel.layout.check for this model: its widths, stages and pipeline microbatches, the batch and the length."""
   layout.check(mesh_shape, rules, dims=config.sharded_dims(), batch_size=batch_size,
                num_microbatches=num_microbatches, num_stages=config.num_stages,
-               pipeline_microbatches=pipeline_microbatches(config))
+               pipeline_microbatches=pipeline_microbatches(config), seq_len=seq_len)

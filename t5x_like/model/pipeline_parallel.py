@@ -1,16 +1,21 @@
-"""Pipeline parallelism: the stacked decoder blocks split into stages, microbatches streamed GPipe-style.
+"""Pipeline parallelism: the stacked decoder blocks split into stages, microbatches streamed through them.
 
-The stacked block parameters (L, ...) are viewed as (P, L/P, ...) with the stage axis on the
-`pipeline` mesh axis; since LAYERS already maps to `pipeline`, the reshape moves no data. The batch is
-cut into M microbatches and pushed through a state buffer (P, mb, T, D): at iteration i every stage s
-runs its L/P layers on microbatch i − s (one jax.vmap over stages, spmd_axis_name = the stage's mesh
-axis), then the buffer rolls one stage forward (jnp.roll on a sharded axis → collective-permute).
-After M + P − 1 iterations every microbatch has left the last stage. Each microbatch's segment ids
-and positions travel with it through the buffer, so its attention mask (and rotary angles) are rebuilt on
-whichever stage holds it.
+The stacked block parameters (L, ...) are cut into P·V chunks of L/(P·V) layers; chunk r·P + s runs on
+stage s (device s of the `pipeline` mesh axis) as its virtual stage r. V = GPTConfig.pipeline_repeats:
+V = 1 is GPipe (each device one contiguous stage; since LAYERS maps to `pipeline`, the reshape moves no
+data); V > 1 is the interleaved (circular) schedule of Megatron-LM / MaxText, where each device holds V
+non-adjacent chunks and every microbatch goes round the ring of stages V times.
 
-Idle stage-iterations (the "bubble") are a fraction (P − 1)/(M + P − 1) of the schedule: they compute
-on stale data whose results are never read, so they cost time but not correctness.
+The batch is cut into M microbatches. At iteration i stage s runs its chunk of repeat (i − s) // M on
+microbatch (i − s) mod M (one jax.vmap over stages, spmd_axis_name = the stage's mesh axis); then the state
+buffer (P, mb, T, D) rolls one stage forward (jnp.roll on a sharded axis → collective-permute). What leaves
+the last stage goes back into a loop buffer (M, mb, T, D), which stage 0 reads when that microbatch starts
+its next repeat (M ≥ P keeps it from being read before it is written). After V·M + P − 1 iterations the
+loop buffer holds every microbatch's output. Each microbatch's segment ids and positions are looked up per
+stage, so its attention mask (and rotary angles) are rebuilt on whichever stage holds it.
+
+Idle stage-iterations (the "bubble") are a fraction (P − 1)/(V·M + P − 1) of the schedule: they compute on
+stale data whose results are never read, so they cost time but not correctness.
 """
 
 import functools
@@ -18,6 +23,7 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from t5x_like.parallel import axis_names as ax
 from t5x_like.model import layers
@@ -26,11 +32,12 @@ from t5x_like.model import moe
 from t5x_like.model.config import GPTConfig, pipeline_microbatches
 
 _ACT = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
+_CHUNK = "pipeline_chunk"  # name of a stage's per-iteration weight slice (recomputed, never saved: see below)
 
 
-def bubble_fraction(num_stages: int, microbatches: int) -> float:
-  """GPipe's idle fraction (p − 1)/(m + p − 1) of the stage-iterations in one pass."""
-  return (num_stages - 1) / (microbatches + num_stages - 1)
+def bubble_fraction(num_stages: int, microbatches: int, repeats: int = 1) -> float:
+  """Idle fraction (p − 1)/(v·m + p − 1) of the stage-iterations in one pass (v = 1: GPipe's)."""
+  return (num_stages - 1) / (repeats * microbatches + num_stages - 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,16 +50,18 @@ def _block_param_names(config: GPTConfig):
 
 
 def stage_params(config: GPTConfig, stacked_params):
-  """(U, ...) stacked block parameters → (P, U/P, ...), stage axis constrained to STAGE's mesh axis.
+  """(U, ...) stacked block parameters → (P, V, U/(P·V), ...): [s, r] is chunk r·P + s, the stage axis constrained
+  to STAGE's mesh axis. V = 1 moves no data; V > 1 regroups each device's contiguous U/P elements (an
+  all-to-all of the block weights over `pipeline`, and of their gradients in the backward pass).
 
   Leaves the model does not declare (LoRA adapters beside a kernel) keep their own layout past the stage axis."""
-  p = config.num_stages
+  p, v = config.num_stages, config.pipeline_repeats
   names = {path: leaf for path, leaf in jax.tree_util.tree_leaves_with_path(
       _block_param_names(config), is_leaf=lambda x: isinstance(x, tuple))}
 
   def split(path, w):
-    w = w.reshape((p, w.shape[0] // p) + w.shape[1:])
-    return layers.constrain(w, (ax.STAGE, None) + names.get(path, (None,) * (w.ndim - 2)))
+    w = jnp.swapaxes(w.reshape((v, p, w.shape[0] // (p * v)) + w.shape[1:]), 0, 1)  # (P, V, U/(P·V), ...)
+    return layers.constrain(w, (ax.STAGE, None, None) + names.get(path, (None,) * (w.ndim - 3)))
 
   return jax.tree_util.tree_map_with_path(split, stacked_params)
 
@@ -82,65 +91,80 @@ def pipeline_blocks(config: GPTConfig, stacked_params, x, segment_ids, positions
 
 
 def run_pipeline_blocks(config: GPTConfig, stacked_params, x, segment_ids, positions):
-  """Applies the stacked blocks like `blocks.run_blocks`, split into `num_stages` pipelined stages.
+  """Applies the stacked blocks like `blocks.run_blocks`, split into `num_stages` × `pipeline_repeats` chunks.
 
   Args:
-    config: the model config; `num_stages` > 1 divides `num_layers`.
+    config: the model config; `num_stages` > 1 and `num_stages × pipeline_repeats` divides the stacked elements.
     stacked_params: block parameters with a leading (L, ...) LAYERS axis.
     x: (B, T, D) block-stack input.
     segment_ids: (B, T) document ids, 0 = padding (the attention mask is built per microbatch).
-    positions: (B, T) position of each token in its document (rotary embeddings), carried like segment_ids.
+    positions: (B, T) position of each token in its document (rotary embeddings).
 
   Returns:
     (B, T, D), equal to the sequential run, and like `blocks.run_blocks` its moe.MoeStats (None if dense):
-    each microbatch's per-token statistics travel through the stages with it (each stage adds its layers'),
-    and each stage's expert loads count only the iterations where it holds a real microbatch.
+    each microbatch's per-token statistics travel through the stages (and repeats) with it, and each chunk's
+    expert loads count only the iterations where its stage holds a real microbatch.
   """
-  p = config.num_stages
+  p, v = config.num_stages, config.pipeline_repeats
   m = pipeline_microbatches(config)
   b, t, d = x.shape
   if b % m:
     raise ValueError(f"pipeline: {b} rows per (gradient-accumulation) microbatch are not divisible by "
                      f"GPTConfig.pipeline_microbatches={m}")
-  mb = b // m
-  params = stage_params(config, stacked_params)
-  inputs = layers.constrain(_split(x, m), (None,) + _ACT)  # (M, mb, T, D)
-  segments = _split(segment_ids, m)  # (M, mb, T)
-  pos = _split(positions, m)  # (M, mb, T)
-  is_first = (jnp.arange(p) == 0)  # (P,)
-  real = lambda i: (i >= jnp.arange(p)) & (i - jnp.arange(p) < m)  # (P,): stage s holds microbatch i − s
-  first = lambda new, old: jnp.where(is_first.reshape((p,) + (1,) * (old.ndim - 1)), new, old)
+  if v > 1 and m < p:
+    raise ValueError(f"GPTConfig.pipeline_microbatches={m} < num_stages={p}: the interleaved schedule "
+                     f"(pipeline_repeats={v}) needs at least one microbatch per stage")
+  mb, stages = b // m, jnp.arange(p)
+  params = stage_params(config, stacked_params)  # (P, V, C, ...)
+  if v == 1:
+    params = jax.tree.map(lambda w: w[:, 0], params)  # (P, C, ...): loop-invariant, saved once for the backward
+  loop = layers.constrain(_split(x, m), (None,) + _ACT)  # (M, mb, T, D): each microbatch between passes
+  segments, pos = _split(segment_ids, m), _split(positions, m)  # (M, mb, T)
+  first = lambda new, old: jnp.where((stages == 0).reshape((p,) + (1,) * (old.ndim - 1)), new, old)
 
-  def run_stage(stage_weights, h, seg, stage_pos, stats):  # one stage: its U/P stacked elements on one microbatch
+  def run_stage(stage_weights, repeat, h, seg, stage_pos, stats):  # one stage: one chunk on one microbatch
+    if v > 1:  # this iteration's chunk; named so the checkpoint below recomputes the slice instead of saving it
+      stage_weights = jax.tree.map(lambda w: checkpoint_name(w[repeat], _CHUNK), stage_weights)
     return blocks_lib.run_blocks(config, stage_weights, h, layers.causal_segment_mask(seg), stage_pos, stats)
 
+  if v > 1:  # without this, the backward would keep a copy of the chunk's weights for every iteration
+    run_stage = jax.checkpoint(run_stage, policy=jax.checkpoint_policies.save_anything_except_these_names(_CHUNK),
+                               prevent_cse=False)
   run_stages = jax.vmap(run_stage, spmd_axis_name=_stage_axis_name())
 
   def iteration(carry, i):
-    # (P, mb, T, D), (P, mb, T), (P, mb, T); with experts (P, mb, T, S) token stats and (P, U/P, E) loads
-    state, state_seg, state_pos, state_stats, loads = carry
-    state = first(inputs[i % m][None], state)  # stage 0 takes microbatch i
-    state_seg = first(segments[i % m][None], state_seg)
-    state_pos = first(pos[i % m][None], state_pos)
-    if state_stats is not None:
-      state_stats = first(jnp.zeros_like(state_stats), state_stats)  # a new microbatch's statistics start at 0
-    out, stats = run_stages(params, state, state_seg, state_pos, state_stats)
+    # (P, mb, T, D), (M, mb, T, D); with experts the (P, mb, T, S) token stats in the stages, the same between
+    # passes (M, mb, T, S), and the (P, V, C, E) expert loads
+    state, loop, state_stats, loop_stats, loads = carry
+    held = i - stages  # (P,): stage s holds pass `held // M` of microbatch `held mod M`
+    micro, repeat = held % m, jnp.clip(held // m, 0, v - 1)
+    state = first(loop[i % m][None], state)  # stage 0 takes microbatch i mod M, for its next repeat
+    seg = layers.constrain(segments[micro], (ax.STAGE, ax.BATCH, ax.LENGTH))  # (P, mb, T)
+    stage_pos = layers.constrain(pos[micro], (ax.STAGE, ax.BATCH, ax.LENGTH))
+    if state_stats is not None:  # statistics travel with their microbatch, like its activations
+      state_stats = first(loop_stats[i % m][None], state_stats)
+    out, stats = run_stages(params, repeat, state, seg, stage_pos, state_stats)
     out = layers.constrain(out, (ax.STAGE,) + _ACT)
+    done = i - (p - 1)  # the microbatch pass leaving the last stage (none while done < 0)
+    keep = lambda buffer, new: buffer.at[done % m].set(jnp.where(done >= 0, new, buffer[done % m]))
+    loop = keep(loop, out[p - 1])
     if stats is not None:
-      loads = loads + jnp.where(real(i)[:, None, None], stats.load, 0.0)
-      state_stats = stats.token
-    roll = lambda a: None if a is None else jnp.roll(a, 1, axis=0)
-    last = (out[p - 1], None if stats is None else stats.token[p - 1])  # microbatch i − (P − 1), once i ≥ P − 1
-    return (roll(out), roll(state_seg), roll(state_pos), roll(state_stats), loads), last
+      real = (held >= 0) & (held < v * m)  # (P,)
+      at = real[:, None] & (jnp.arange(v)[None] == repeat[:, None])  # (P, V): the chunk that ran
+      loads = loads + jnp.where(at[:, :, None, None], stats.load[:, None], 0.0)
+      loop_stats = keep(loop_stats, stats.token[p - 1])
+      state_stats = jnp.roll(stats.token, 1, axis=0)
+    return (jnp.roll(out, 1, axis=0), loop, state_stats, loop_stats, loads), None
 
   state = layers.constrain(jnp.zeros((p, mb, t, d), x.dtype), (ax.STAGE,) + _ACT)
-  state_stats = loads = None
+  state_stats = loop_stats = loads = None
   if config.num_experts:
     state_stats = jnp.zeros((p, mb, t, len(moe.TOKEN_STATS)), jnp.float32)
-    loads = jnp.zeros((p, config.num_units // p, config.num_experts), jnp.float32)
-  init = (state, jnp.ones((p, mb, t), segment_ids.dtype), jnp.zeros((p, mb, t), positions.dtype), state_stats, loads)
-  (*_, loads), (outs, token_stats) = jax.lax.scan(iteration, init, jnp.arange(m + p - 1))
+    loop_stats = jnp.zeros((m, mb, t, len(moe.TOKEN_STATS)), jnp.float32)
+    loads = jnp.zeros((p, v, config.num_units // (p * v), config.num_experts), jnp.float32)
+  (_, loop, _, loop_stats, loads), _ = jax.lax.scan(iteration, (state, loop, state_stats, loop_stats, loads),
+                                                    jnp.arange(v * m + p - 1))
   if not config.num_experts:
-    return _merge(outs[p - 1:]), None  # (B, T, D)
-  stats = moe.MoeStats(token=_merge(token_stats[p - 1:]), load=loads.reshape(-1, config.num_experts))
-  return _merge(outs[p - 1:]), stats
+    return _merge(loop), None  # (B, T, D)
+  loads = jnp.swapaxes(loads, 0, 1).reshape(-1, config.num_experts)  # chunk r·P + s, in layer order
+  return _merge(loop), moe.MoeStats(token=_merge(loop_stats), load=loads)

@@ -18,6 +18,7 @@ EXPERT = "expert"  # experts of a mixture-of-experts layer (weights stacked over
 # Activation axes.
 BATCH = "batch"  # sequences
 LENGTH = "length"  # positions inside a sequence
+KV_LENGTH = "kv_length"  # key/value positions attention reads: the whole sequence, even when `length` is split
 ACT_EMBED = "activation_embed"  # d_model of an activation (kept whole: the batch owns data/fsdp)
 ACT_HEADS = "activation_heads"  # heads of an activation
 ACT_KV_HEADS = "activation_kv_heads"  # key/value heads of an activation (and of the KV cache)

@@ -42,7 +42,7 @@ def ways(logical_axis: str, mesh_shape: Mapping[str, int], rules: partitioning.R
 
 def check(mesh_shape: Mapping[str, int], rules: Optional[partitioning.Rules] = None, *,
           dims: Iterable[Dim] = (), batch_size: int, num_microbatches: int = 1, num_stages: int = 1,
-          pipeline_microbatches: int = 0) -> None:
+          pipeline_microbatches: int = 0, seq_len: int = 0) -> None:
   """Raises ValueError naming the key, its value and the mesh axes, for a layout that cannot run.
 
   Args:
@@ -53,6 +53,7 @@ def check(mesh_shape: Mapping[str, int], rules: Optional[partitioning.Rules] = N
     num_microbatches: NUM_MICROBATCHES (gradient accumulation).
     num_stages: the model's pipeline stages; must equal the shards of the STAGE axis.
     pipeline_microbatches: microbatches streamed through the pipeline per accumulation microbatch.
+    seq_len: SEQ_LEN, tokens per sequence, split over the mesh axes of `length` (context parallelism); 0 = unchecked.
   """
   rules = tuple(rules or partitioning.DEFAULT_RULES)
   for dim in dims:
@@ -63,6 +64,10 @@ def check(mesh_shape: Mapping[str, int], rules: Optional[partitioning.Rules] = N
   stages, stage_desc = ways(ax.STAGE, mesh_shape, rules)
   if num_stages != stages:
     raise ValueError(f"GPTConfig.num_stages={num_stages} differs from {stage_desc}={stages}")
+  positions, length_desc = ways(ax.LENGTH, mesh_shape, rules)
+  if seq_len and seq_len % positions:
+    raise ValueError(f"SEQ_LEN={seq_len} is not divisible by {length_desc}={positions} (logical axis "
+                     f"'{ax.LENGTH}' under the axis rules in use)")
   rows, row_desc = ways(ax.BATCH, mesh_shape, rules)
   if num_microbatches < 1 or batch_size % (rows * num_microbatches):
     raise ValueError(f"BATCH_SIZE={batch_size} is not divisible by {row_desc}×NUM_MICROBATCHES = "

@@ -1,4 +1,4 @@
-"""Device mesh over (pipeline, data, fsdp, expert, tensor) built from MESH_SHAPE; −1 fills the remaining devices."""
+"""Device mesh over (pipeline, data, fsdp, sequence, expert, tensor) built from MESH_SHAPE; −1 fills the rest."""
 
 import math
 from typing import Mapping, Optional, Sequence
@@ -7,8 +7,9 @@ import jax
 from jax.experimental import mesh_utils
 import numpy as np
 
-# Outermost first; tensor innermost (fastest links), expert next to it (its all-to-alls are the next chattiest).
-AXES = ("pipeline", "data", "fsdp", "expert", "tensor")
+# Outermost first; tensor innermost (fastest links), expert next to it (its all-to-alls are the next chattiest),
+# then sequence (context parallelism: an all-gather of keys and values per layer).
+AXES = ("pipeline", "data", "fsdp", "sequence", "expert", "tensor")
 
 
 def resolve_mesh_shape(mesh_shape: Mapping[str, int], num_devices: int) -> dict:

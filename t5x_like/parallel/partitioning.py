@@ -22,7 +22,10 @@ DEFAULT_RULES: Rules = (
     (ax.VOCAB, "tensor"),
     (ax.LAYERS, "pipeline"),
     (ax.STAGE, "pipeline"),
-    (ax.LENGTH, None),
+    # Context parallelism: activations split along the sequence; attention all-gathers keys and values
+    # (kv_length whole), parameters are replicated over `sequence` and their gradients all-reduced over it.
+    (ax.LENGTH, "sequence"),
+    (ax.KV_LENGTH, None),
     (ax.KV, None),
     (ax.NORM, None),
     (ax.POSITION, None),

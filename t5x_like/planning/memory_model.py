@@ -44,15 +44,17 @@ class Layout:
   pipeline: int = 1  # pipeline stages (mesh axis `pipeline`)
   data: int = 1  # pure data parallelism (mesh axis `data`)
   fsdp: int = 1  # data parallelism with sharded params/grads/optimizer state (mesh axis `fsdp`)
+  sequence: int = 1  # context parallelism: activations split along the sequence (mesh axis `sequence`)
   expert: int = 1  # experts split over it in MoE layers, the batch elsewhere (mesh axis `expert`)
   tensor: int = 1  # Megatron tensor parallelism over heads / d_ff / vocab (mesh axis `tensor`)
   num_microbatches: int = 1  # gradient-accumulation microbatches per step (NUM_MICROBATCHES)
   remat_policy: str = "none"  # GPTConfig.remat_policy
-  pipeline_microbatches: int = 0  # GPipe microbatches per accumulation microbatch; 0 = 2 × pipeline
+  pipeline_microbatches: int = 0  # pipeline microbatches per accumulation microbatch; 0 = 2 × pipeline
+  pipeline_repeats: int = 1  # virtual stages per pipeline device (interleaved schedule); 1 = GPipe
 
   @property
   def num_devices(self) -> int:
-    return self.pipeline * self.data * self.fsdp * self.expert * self.tensor
+    return self.pipeline * self.data * self.fsdp * self.sequence * self.expert * self.tensor
 
   @property
   def batch_ways(self) -> int:
@@ -68,8 +70,10 @@ class Layout:
     return (self.pipeline_microbatches or 2 * self.pipeline) if self.pipeline > 1 else 1
 
   def describe(self) -> str:
-    mesh = "×".join(f"{n[0]}{getattr(self, n)}" for n in mesh_lib.AXES if n != "expert" or self.expert > 1)
+    mesh = "×".join(f"{n[0]}{getattr(self, n)}" for n in mesh_lib.AXES
+                    if n not in ("expert", "sequence") or getattr(self, n) > 1)
     pipe = f" m{self.stage_microbatches}" if self.pipeline > 1 else ""
+    pipe += f" v{self.pipeline_repeats}" if self.pipeline > 1 and self.pipeline_repeats > 1 else ""
     return f"{mesh} k{self.num_microbatches}{pipe} {self.remat_policy}"
 
 
@@ -101,15 +105,18 @@ def _boxed_params(cfg: model_lib.GPTConfig):
 def layout_config(cfg: model_lib.GPTConfig, layout: Layout) -> model_lib.GPTConfig:
   """The model config as `layout` runs it: its remat policy, pipeline stages and pipeline microbatches."""
   return dataclasses.replace(cfg, remat_policy=layout.remat_policy, num_stages=layout.pipeline,
-                             pipeline_microbatches=layout.pipeline_microbatches if layout.pipeline > 1 else 0)
+                             pipeline_microbatches=layout.pipeline_microbatches if layout.pipeline > 1 else 0,
+                             pipeline_repeats=layout.pipeline_repeats if layout.pipeline > 1 else 1)
 
 
 def layout_reason(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int,
-                  rules=partitioning.DEFAULT_RULES) -> Optional[str]:
-  """The layout validator's reason why `layout` cannot run this model and batch (None if it can)."""
+                  rules=partitioning.DEFAULT_RULES, seq_len: int = 0) -> Optional[str]:
+  """The model's and the layout validator's reason why `layout` cannot run this model and batch (None if it can)."""
   try:
-    config_lib.check_layout(layout_config(cfg, layout), layout.mesh_shape, rules, batch_size=global_batch,
-                            num_microbatches=layout.num_microbatches)
+    run_cfg = layout_config(cfg, layout)
+    config_lib.check_layout(run_cfg, layout.mesh_shape, rules, batch_size=global_batch,
+                            num_microbatches=layout.num_microbatches, seq_len=seq_len)
+    run_cfg.validate()  # what the mesh alone does not decide (pipeline repeats against layers and microbatches)
   except ValueError as e:
     return str(e)
   return None
@@ -230,21 +237,26 @@ def estimate(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int, seq_le
   t = layout.tensor
   layers = cfg.num_units / layout.pipeline  # stacked elements (layers, or moe_every-layer groups) per stage
   in_flight = 1.0
-  if layout.pipeline > 1:  # GPipe keeps every microbatch's stage activations, plus the fill/drain ticks
-    m = layout.stage_microbatches
-    in_flight = (m + layout.pipeline - 1) / m
+  if layout.pipeline > 1:  # every microbatch's chunk activations are kept, plus the fill/drain iterations'
+    vm = layout.pipeline_repeats * layout.stage_microbatches
+    in_flight = (vm + layout.pipeline - 1) / vm
+  s = layout.sequence  # context parallelism splits every activation along the length, except gathered keys/values
   if layout.remat_policy == "offload_dots":  # the saved dots live in host memory: 'full' stays on device
     cfg = dataclasses.replace(cfg, remat_policy="full")
   prof = residual_profile(cfg, seq_len)
-  activations = ACTIVATION_OVERHEAD * rows * in_flight * layers * _per_layer(cfg, seq_len, t)
+  per_layer = _per_layer(cfg, seq_len, t) / s
+  if s > 1 and cfg.remat_policy == "none":  # the backward keeps the gathered keys and values (B, T, K, Dh) whole
+    itemsize = jnp.dtype(cfg.compute_dtype).itemsize
+    per_layer += 2 * itemsize * seq_len * cfg.kv_heads * cfg.head_dim / t * cfg.layers_per_unit * (1 - 1 / s)
+  activations = ACTIVATION_OVERHEAD * rows * in_flight * layers * per_layer
   p_gathered = param_elements_per_device(cfg, dataclasses.replace(layout, fsdp=1), rules)
-  working = (LOSS_OVERHEAD * rows * (prof.head + prof.head_tensor / t)
+  working = (LOSS_OVERHEAD * rows * (prof.head + prof.head_tensor / t) / s
              + WEIGHT_COPIES * prof.weights * p_gathered / p_total)
   if cfg.remat_policy != "none":  # one layer's forward is rebuilt during its backward
     stage_rows = rows / layout.stage_microbatches  # a pipeline stage recomputes one pipeline microbatch
-    working += REMAT_WORKING * stage_rows * _per_layer(dataclasses.replace(cfg, remat_policy="none"), seq_len, t)
+    working += REMAT_WORKING * stage_rows * _per_layer(dataclasses.replace(cfg, remat_policy="none"), seq_len, t) / s
   grads = 4.0 * p_dev * (UPDATE_TEMPS + (ACCUMULATOR_TEMPS if layout.num_microbatches > 1 else 0.0))
-  inputs = 5 * 4.0 * global_batch * seq_len / batch_ways
+  inputs = 5 * 4.0 * global_batch * seq_len / (batch_ways * s)
   return MemoryEstimate(params=4.0 * p_dev, optimizer=8.0 * p_dev, grads=grads, activations=activations,
                         working=working, inputs=inputs)
 

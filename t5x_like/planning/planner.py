@@ -3,11 +3,17 @@
 Step time = compute / (peak × efficiency) + pipeline bubble + communication, with no overlap assumed:
   compute   hardware FLOPs (flops.hardware_flops_per_token: remat recompute included) per device; the
             embedding/logits run on every pipeline stage (they sit outside the pipelined blocks);
+  bubble    compute × b/(1 − b), b = (p − 1)/(v·m + p − 1): GPipe (v = 1) or interleaved (v virtual stages);
   fsdp      per accumulation microbatch: all-gather float32 weights (forward, and again for the
             backward under remat) + reduce-scatter float32 gradients, ring volume (f−1)/f;
   tensor    per layer and microbatch: 2 all-reduces of the (rows, T, d_model) bfloat16 activations
             forward, 2 backward, 2 more when the forward is recomputed; plus embedding and logits;
-  pipeline  (m + p − 1) collective-permutes of one microbatch's activations, forward and backward;
+  pipeline  (v·m + p − 1) collective-permutes of one microbatch's activations, forward and backward; with
+            v > 1 also the regrouping of each device's block weights into its v chunks (an all-to-all of
+            (v − 1)/v of them, float32) and of their gradients, per accumulation microbatch;
+  sequence  per layer and microbatch: all-gather of keys and values forward, reduce-scatter of their
+            gradients backward, again when remat recomputes the forward; plus the all-reduce of the float32
+            gradients over `sequence` (parameters are replicated over it);
   expert    per MoE layer and microbatch: 2 all-to-alls of the dispatched bfloat16 tokens (top_k × capacity
             factor slots per token, d_model wide) forward, 2 backward, 2 more when the forward is recomputed,
             each moving (e−1)/e of a device's slots; plus the all-reduce of the non-expert gradients over
@@ -44,14 +50,15 @@ class StepTime:
   pipeline: float
   data: float
   expert: float = 0.0
+  sequence: float = 0.0
 
   @property
   def total(self) -> float:
-    return self.compute + self.bubble + self.fsdp + self.tensor + self.pipeline + self.data + self.expert
+    return self.compute + self.bubble + self.communication
 
   @property
   def communication(self) -> float:
-    return self.fsdp + self.tensor + self.pipeline + self.data + self.expert
+    return self.fsdp + self.tensor + self.pipeline + self.data + self.expert + self.sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +83,7 @@ class Target:
   efficiency: float = 0.6  # fraction of peak FLOP/s the step reaches while computing
   comm_efficiency: float = 0.7  # fraction of nominal bandwidth collectives reach
   memory_fraction: float = 0.9  # usable share of device memory (allocator, fragmentation, runtime)
+  max_sequence: int = 1  # largest `sequence` (context-parallel) axis searched; 1 = none
   causal_halved: bool = False  # MFU convention (flops.train_flops_per_token)
 
   @property
@@ -85,7 +93,7 @@ class Target:
   @property
   def peak(self) -> float:
     peak = self.hardware.peak_flops.get("bfloat16")
-    return peak if peak else hardware_lib.measure_matmul_peak("float32") / max(1, self.host_size)
+    return peak if peak else hardware_lib.cpu_peak_flops()[0] / max(1, self.host_size)
 
 
 def axis_bandwidth(layout: Layout, axis: str, target: Target) -> float:
@@ -100,16 +108,16 @@ def axis_bandwidth(layout: Layout, axis: str, target: Target) -> float:
 def step_time(cfg: model_lib.GPTConfig, layout: Layout, target: Target) -> StepTime:
   """Estimated seconds per step for `layout` (see the module docstring for the terms)."""
   p, d, f, t, k = layout.pipeline, layout.data, layout.fsdp, layout.tensor, layout.num_microbatches
-  e = layout.expert
+  e, s, v = layout.expert, layout.sequence, layout.pipeline_repeats
   tokens = target.global_batch * target.seq_len
   head_flops = 6.0 * cfg.vocab_size * cfg.d_model  # tied logits, forward + backward, per token
   block_flops = flops.hardware_flops_per_token(cfg, target.seq_len, layout.remat_policy) - head_flops
-  per_device = block_flops * tokens / layout.num_devices + head_flops * tokens / (d * f * e * t)
+  per_device = block_flops * tokens / layout.num_devices + head_flops * tokens / (d * f * s * e * t)
   compute = per_device / (target.peak * target.efficiency)
   bubble = 0.0
   if p > 1:
     m = layout.stage_microbatches
-    frac = pipeline_parallel.bubble_fraction(p, m)
+    frac = pipeline_parallel.bubble_fraction(p, m, v)
     bubble = compute * frac / (1 - frac)
   gathered = memory_model.param_elements_per_device(cfg, dataclasses.replace(layout, fsdp=1))
   ring = lambda n: (n - 1) / n
@@ -121,7 +129,13 @@ def step_time(cfg: model_lib.GPTConfig, layout: Layout, target: Target) -> StepT
   if d > 1:
     data = 2 * 4.0 * (gathered / f) * ring(d) / axis_bandwidth(layout, "data", target)
   rows = target.global_batch / (d * f * e * k)  # sequences per device per accumulation microbatch
-  act_bytes = rows * target.seq_len * cfg.d_model * 2.0
+  act_bytes = rows * target.seq_len / s * cfg.d_model * 2.0  # one (rows, T/s, d_model) bfloat16 activation
+  sequence = 0.0
+  if s > 1:
+    per_layer = 4 + (2 if layout.remat_policy != "none" else 0)
+    kv_bytes = rows * target.seq_len * cfg.kv_heads * cfg.head_dim / t * 2.0  # gathered keys (or values)
+    sequence = (k * per_layer * kv_bytes * ring(s) * cfg.num_layers / p / axis_bandwidth(layout, "sequence", target)
+                + 2 * 4.0 * (gathered / f) * ring(s) / axis_bandwidth(layout, "sequence", target))
   expert = 0.0
   if e > 1:
     recompute = 2 if layout.remat_policy in ("full", "save_dots", "save_attention_out") else 0
@@ -139,21 +153,39 @@ def step_time(cfg: model_lib.GPTConfig, layout: Layout, target: Target) -> StepT
   pipe = 0.0
   if p > 1:
     m = layout.stage_microbatches
-    pipe = k * 2 * (m + p - 1) * (act_bytes / m) / axis_bandwidth(layout, "pipeline", target)
-  return StepTime(compute=compute, bubble=bubble, fsdp=fsdp, tensor=tensor, pipeline=pipe, data=data, expert=expert)
+    pipe = k * 2 * (v * m + p - 1) * (act_bytes / m) / axis_bandwidth(layout, "pipeline", target)
+    if v > 1:  # stage_params regroups the (fsdp-sharded) float32 block weights, and the gradients back
+      weights = memory_model.param_elements_per_device(cfg, layout)
+      pipe += k * 2 * 4.0 * weights * (v - 1) / v / axis_bandwidth(layout, "pipeline", target)
+  return StepTime(compute=compute, bubble=bubble, fsdp=fsdp, tensor=tensor, pipeline=pipe, data=data, expert=expert,
+                  sequence=sequence)
 
 
 def divisors(n: int) -> list:
   return [i for i in range(1, n + 1) if n % i == 0]
 
 
-def _factorizations(n: int, num_experts: int = 0):
-  """Every (pipeline, data, fsdp, expert, tensor) over n devices; `expert` > 1 only when it divides num_experts."""
+def _factorizations(n: int, num_experts: int = 0, max_sequence: int = 1):
+  """Every (pipeline, data, fsdp, sequence, expert, tensor) over n devices; `expert` > 1 only when it divides
+  num_experts, `sequence` up to max_sequence."""
   for p in divisors(n):
     for t in divisors(n // p):
       for e in [x for x in divisors(n // (p * t)) if num_experts and num_experts % x == 0] or [1]:
-        for f in divisors(n // (p * t * e)):
-          yield Layout(pipeline=p, data=n // (p * t * e * f), fsdp=f, expert=e, tensor=t)
+        for s in [x for x in divisors(n // (p * t * e)) if x <= max_sequence]:
+          for f in divisors(n // (p * t * e * s)):
+            yield Layout(pipeline=p, data=n // (p * t * e * s * f), fsdp=f, sequence=s, expert=e, tensor=t)
+
+
+def pipeline_options(cfg: model_lib.GPTConfig, layout: Layout, rows: int) -> list:
+  """(pipeline microbatches m, repeats v) to try for `rows` sequences per replica and accumulation microbatch:
+  m = p, 2p, 4p, ... up to all the rows (one row per microbatch), v = 1, 2, 4, ... virtual stages per device
+  while p·v divides the stacked layers. [(0, 1)] without a pipeline."""
+  p = layout.pipeline
+  if p == 1:
+    return [(0, 1)]
+  ms = sorted({p * 2**i for i in range(32) if p * 2**i <= rows and rows % (p * 2**i) == 0} | ({rows} if rows >= p else set()))
+  vs = [2**i for i in range(8) if cfg.num_units % (p * 2**i) == 0]
+  return [(m, v) for m in ms for v in vs] or [(p, 1)]
 
 
 def structural_reason(cfg: model_lib.GPTConfig, layout: Layout, target: Target) -> Optional[str]:
@@ -161,13 +193,14 @@ def structural_reason(cfg: model_lib.GPTConfig, layout: Layout, target: Target) 
   reason with one accumulation microbatch, or a tensor axis that would span hosts."""
   if layout.tensor > target.host_size:
     return f"tensor={layout.tensor} spans hosts ({target.host_size} devices per host)"
-  return memory_model.layout_reason(cfg, dataclasses.replace(layout, num_microbatches=1, pipeline_microbatches=1),
-                                    target.global_batch)
+  return memory_model.layout_reason(cfg, dataclasses.replace(layout, num_microbatches=1, pipeline_microbatches=1,
+                                                             pipeline_repeats=1), target.global_batch,
+                                    seq_len=target.seq_len)
 
 
 def evaluate(cfg: model_lib.GPTConfig, layout: Layout, target: Target) -> Candidate:
   """Memory, step time, MFU and days for one layout, or the reason it cannot run."""
-  reason = memory_model.layout_reason(cfg, layout, target.global_batch)
+  reason = memory_model.layout_reason(cfg, layout, target.global_batch, seq_len=target.seq_len)
   if reason:
     return Candidate(layout, reason=reason)
   memory = memory_model.estimate(cfg, layout, target.global_batch, target.seq_len)
@@ -185,23 +218,24 @@ def evaluate(cfg: model_lib.GPTConfig, layout: Layout, target: Target) -> Candid
 
 
 def search(cfg: model_lib.GPTConfig, target: Target, remat_policies=REMAT_SEARCH):
-  """All mesh shapes × remat policies; for each, the fewest accumulation microbatches that fit.
+  """All mesh shapes × remat policies; for each, the fewest accumulation microbatches that fit, with the
+  fastest pipeline schedule (microbatches, virtual stages) that fits at that accumulation.
 
   Returns (feasible candidates fastest first, dropped candidates with reasons).
   """
   feasible, dropped = [], []
-  for mesh in _factorizations(target.num_devices, cfg.num_experts):
+  for mesh in _factorizations(target.num_devices, cfg.num_experts, target.max_sequence):
     why = structural_reason(cfg, mesh, target)
     if why:
       dropped.append(Candidate(mesh, reason=why))
       continue
     rows = target.global_batch // mesh.batch_ways
-    stage_options = [2 * mesh.pipeline, 4 * mesh.pipeline, mesh.pipeline] if mesh.pipeline > 1 else [0]
     for policy in remat_policies:
       last = None
       for k in divisors(rows):
         options = [evaluate(cfg, dataclasses.replace(mesh, num_microbatches=k, remat_policy=policy,
-                                                     pipeline_microbatches=m), target) for m in stage_options]
+                                                     pipeline_microbatches=m, pipeline_repeats=v), target)
+                   for m, v in pipeline_options(cfg, mesh, rows // k)]
         ok = [c for c in options if c.reason is None]
         if ok:
           feasible.append(min(ok, key=lambda c: c.time.total))
@@ -219,7 +253,7 @@ def _fmt_days(days: float) -> str:
 
 
 def format_table(candidates, top: int) -> str:
-  lines = [f"{'#':>3} {'layout (pipeline×data×fsdp×tensor, k accum, m pipe, remat)':<44} {'GiB/dev':>8} "
+  lines = [f"{'#':>3} {'layout (pipeline×data×fsdp×tensor, k accum, m pipe, v, remat)':<44} {'GiB/dev':>8} "
            f"{'step s':>8} {'comm s':>8} {'bubble s':>8} {'MFU':>6} {'time':>9}"]
   for i, c in enumerate(candidates[:top], 1):
     comm = c.time.communication
@@ -273,7 +307,8 @@ def report(cfg: model_lib.GPTConfig, target: Target, top: int = 10, remat_polici
     t = best.time
     out.append(f"      step {t.total:.3f} s = compute {t.compute:.3f} + bubble {t.bubble:.3f} + fsdp {t.fsdp:.3f} "
                f"+ tensor {t.tensor:.3f} + pipeline {t.pipeline:.3f} + data {t.data:.3f}"
-               + (f" + expert all-to-all {t.expert:.3f}" if cfg.num_experts else ""))
+               + (f" + expert all-to-all {t.expert:.3f}" if cfg.num_experts else "")
+               + (f" + sequence {t.sequence:.3f}" if best.layout.sequence > 1 else ""))
   out.append(f"\n{len(dropped)} dropped:")
   counts = {}
   for c in dropped:

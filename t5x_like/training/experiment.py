@@ -83,7 +83,7 @@ def validate_layout(config: TrainConfig, mesh, model_config: model_lib.GPTConfig
   if config.batch_size % jax.process_count():
     raise ValueError(f"BATCH_SIZE={config.batch_size} is not divisible by {jax.process_count()} processes")
   config_lib.check_layout(model_config, mesh.shape, config.axis_rules, batch_size=config.batch_size,
-                          num_microbatches=config.num_microbatches)
+                          num_microbatches=config.num_microbatches, seq_len=config.seq_len)
 
 
 class Experiment:
