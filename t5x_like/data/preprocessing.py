@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import multiprocessing
 import os
+import sys
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -102,27 +104,60 @@ class Progress:
                self.tokens, rate)
 
 
-def _pool_map(fn: Callable, args: Iterator, num_workers: int, initializer, initargs) -> Iterator:
-  """Ordered map over worker processes; inline when num_workers <= 1."""
-  if num_workers <= 1:
-    initializer(*initargs)
-    yield from map(fn, args)
-    return
-  if "forkserver" in multiprocessing.get_all_start_methods():
-    # Workers fork from a clean server that imported only the TF-free worker module: never from
-    # this process, whose TF / JAX threads make fork unsafe.
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["t5x_like.data.text_cleaning"])
-  else:
-    ctx = multiprocessing.get_context("spawn")
-  with ctx.Pool(num_workers, initializer, initargs) as pool:
+@contextlib.contextmanager
+def _main_module_hidden():
+  """While workers start: multiprocessing would import this process's __main__ in each of them (the CLI, which
+  loads TensorFlow: seconds per worker); they run text_cleaning functions only, so it is hidden from it."""
+  main = sys.modules["__main__"]
+  saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+  main.__spec__ = None
+  main.__dict__.pop("__file__", None)
+  try:
+    yield
+  finally:
+    main.__dict__.pop("__spec__", None)
+    main.__dict__.update(saved)
+
+
+class Workers:
+  """An ordered map over worker processes, each initialised by text_cleaning.init_worker(model); in this
+  process when num_workers <= 1. A context manager: the pool lives until exit, so two phases can share it."""
+
+  def __init__(self, num_workers: int, model: bytes | None = None):
+    self.num_workers, self.model, self.pool = num_workers, model, None
+
+  def __enter__(self) -> "Workers":
+    if self.num_workers <= 1:
+      text_cleaning.init_worker(self.model)
+      return self
+    if "forkserver" in multiprocessing.get_all_start_methods():
+      # Workers fork from a clean server that imported only the TF-free worker module: never from
+      # this process, whose TF / JAX threads make fork unsafe.
+      ctx = multiprocessing.get_context("forkserver")
+      ctx.set_forkserver_preload(["t5x_like.data.text_cleaning"])
+    else:
+      ctx = multiprocessing.get_context("spawn")
+    with _main_module_hidden():
+      self.pool = ctx.Pool(self.num_workers, text_cleaning.init_worker, (self.model,))
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if self.pool is not None:
+      self.pool.terminate()
+      self.pool.join()
+      self.pool = None
+
+  def map(self, fn: Callable, args: Iterator) -> Iterator:
+    if self.pool is None:
+      yield from map(fn, args)
+      return
     window = []
     for a in args:  # bounded look-ahead: at most 4 files per worker are held in memory
       window.append(a)
-      if len(window) >= 4 * num_workers:
-        yield from pool.imap(fn, window)
+      if len(window) >= 4 * self.num_workers:
+        yield from self.pool.imap(fn, window)
         window = []
-    yield from pool.imap(fn, window)
+    yield from self.pool.imap(fn, window)
 
 
 def get_tokenizer(files, file_hashes, opts, cache: Cache, num_workers, texts=None) -> tokenizer_lib.Tokenizer:
@@ -137,13 +172,13 @@ def get_tokenizer(files, file_hashes, opts, cache: Cache, num_workers, texts=Non
       log.info("Tokenizer: cache hit %s", cached)
       tok = tokenizer_lib.Tokenizer.load(cached)
     else:
-      if texts is None:
-        cfg, doc_split, text_field = opts["doc_args"]
-        args = ((read_raw(f), input_kind(f), cfg, doc_split, text_field, None, f) for f in files)
-        texts = (t for scan in _pool_map(text_cleaning.worker_scan_file, args, num_workers,
-                                         text_cleaning.init_worker, (None,)) for t in scan.texts)
       t0 = time.time()
-      tok = tokenizer_lib.train_tokenizer(texts, cached, **opts["tokenizer_args"])
+      with Workers(num_workers if texts is None else 1) as workers:
+        if texts is None:
+          cfg, doc_split, text_field = opts["doc_args"]
+          args = ((read_raw(f), input_kind(f), cfg, doc_split, text_field, None, f) for f in files)
+          texts = (t for scan in workers.map(text_cleaning.worker_scan_file, args) for t in scan.texts)
+        tok = tokenizer_lib.train_tokenizer(texts, cached, **opts["tokenizer_args"])
       log.info("Tokenizer: trained vocab %d in %.1fs", tok.vocab_size, time.time() - t0)
   if tok.pad_id < 0 or tok.eos_id < 0 or tok.pad_id == tok.eos_id:
     raise ValueError(f"Tokenizer '{tok.path}' needs distinct pad and eos ids >= 0, "
@@ -151,19 +186,18 @@ def get_tokenizer(files, file_hashes, opts, cache: Cache, num_workers, texts=Non
   return tok
 
 
-def scan_inputs(files, cleaning, doc_split, text_field, num_workers, score_field=None, tok=None
+def scan_inputs(files, cleaning, doc_split, text_field, workers: Workers, score_field=None
                 ) -> list[text_cleaning.FileScan]:
-  """Reads, cleans, filters and hashes every input in worker processes (text_cleaning.scan_file); `tok`
-  (the given --tokenizer, if any) decodes the token ids of TFRecord inputs."""
+  """Reads, cleans, filters and hashes every input in worker processes (text_cleaning.scan_file); the
+  workers' model (the given --tokenizer, if any) decodes the token ids of TFRecord inputs."""
   args = ((read_raw(f), input_kind(f), cleaning, doc_split, text_field, score_field, f) for f in files)
-  return list(_pool_map(text_cleaning.worker_scan_file, args, num_workers, text_cleaning.init_worker,
-                        (tok.encoder_model if tok else None,)))
+  return list(workers.map(text_cleaning.worker_scan_file, args))
 
 
 def tokenize_kept(files, file_hashes, scans, keep, tok, cleaning, doc_split, text_field, cache: Cache,
-                  num_workers, progress=True, score_field=None, counts=None) -> list[tuple[np.ndarray, np.ndarray]]:
-  """(tokens, lengths) of each input's kept documents: cache hits are loaded, the rest tokenized by workers
-  (counted in `counts` as cache_hits and documents_tokenized)."""
+                  workers: Workers, progress=True, score_field=None, counts=None) -> list[tuple[np.ndarray, np.ndarray]]:
+  """(tokens, lengths) of each input's kept documents: cache hits are loaded, the rest tokenized by
+  `workers` (initialised with `tok`'s model), counted in `counts` as cache_hits and documents_tokenized."""
   counts = collections.Counter() if counts is None else counts
   results: list = [None] * len(files)
   todo, keys = [], {}
@@ -180,14 +214,37 @@ def tokenize_kept(files, file_hashes, scans, keep, tok, cleaning, doc_split, tex
     else:
       todo.append(i)
   args = (([t for t, k in zip(scans[i].texts, keep[i]) if k], tok.eos_id) for i in todo)
-  for i, (tokens, lengths) in zip(todo, _pool_map(text_cleaning.worker_tokenize, args, num_workers,
-                                                  text_cleaning.init_worker, (tok.encoder_model,))):
+  for i, (tokens, lengths) in zip(todo, workers.map(text_cleaning.worker_tokenize, args)):
     results[i] = tokens, lengths
     counts["documents_tokenized"] += len(lengths)
     cache.put_docs(keys[i], text_cleaning.FileDocuments(tokens, lengths, np.zeros([0, 16], np.uint8),
                                                         collections.Counter()))
     bar.update(1, int(lengths.sum()))
   return results
+
+
+def _scan_and_tokenize(files, file_hashes, given, opts, cleaning, doc_split, text_field, cache, workers, progress,
+                       score_field):
+  """The text runner's worker phases: scan every input, drop duplicates, get the tokenizer (given, cached, or
+  trained on every cleaned document, duplicates included, as the Beam runner's driver does), tokenize the
+  survivors. `workers` run the scan (and the tokenization, when initialised with the given tokenizer)."""
+  scans = scan_inputs(files, cleaning, doc_split, text_field, workers, score_field)
+  counts = collections.Counter()
+  for scan in scans:
+    counts.update(scan.counts)
+  examples = quality_filters.merge_examples(scan.examples for scan in scans)
+  keep, dedup_counts = near_dedup.select_documents(
+      scans, cleaning.dedup, cleaning.near_dedup, lambda rule, text: quality_filters.note(examples, rule, text))
+  counts.update(dedup_counts)
+  t_scan = time.time()
+  if not given:
+    workers.__exit__(None, None, None)  # the scan pool is done: the tokenizer's pool replaces it
+  tok = given or get_tokenizer(files, file_hashes, opts, cache, 1, texts=(t for scan in scans for t in scan.texts))
+  t_tok = time.time()
+  with contextlib.nullcontext(workers) if given else Workers(workers.num_workers, tok.encoder_model) as tokenizers:
+    per_file = tokenize_kept(files, file_hashes, scans, keep, tok, cleaning, doc_split, text_field, cache,
+                             tokenizers, progress, score_field, counts)
+  return per_file, tok, scans, keep, counts, examples, (t_scan, t_tok, time.time())
 
 
 def resolve_tokenizer_path(path: str) -> str:
@@ -400,21 +457,10 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
                                  max_training_chars=max_tokenizer_chars),
           "doc_args": (cleaning, doc_split, text_field)}
   given = get_tokenizer(files, file_hashes, opts, cache, num_workers) if tokenizer else None
-  scans = scan_inputs(files, cleaning, doc_split, text_field, num_workers, score_field, given)
-  counts = collections.Counter()
-  for scan in scans:
-    counts.update(scan.counts)
-  examples = quality_filters.merge_examples(scan.examples for scan in scans)
-  keep, dedup_counts = near_dedup.select_documents(
-      scans, cleaning.dedup, cleaning.near_dedup, lambda rule, text: quality_filters.note(examples, rule, text))
-  counts.update(dedup_counts)
-  t_scan = time.time()
-  # trained on every cleaned document, duplicates included, as the Beam runner's driver does
-  tok = given or get_tokenizer(files, file_hashes, opts, cache, num_workers, texts=(t for scan in scans for t in scan.texts))
-  t_tok = time.time()
-  per_file = tokenize_kept(files, file_hashes, scans, keep, tok, cleaning, doc_split, text_field, cache,
-                           num_workers, progress, score_field, counts)
-  t_tokenized = time.time()
+  with Workers(num_workers, given.encoder_model if given else None) as workers:  # one pool when --tokenizer
+    per_file, tok, scans, keep, counts, examples, times = _scan_and_tokenize(
+        files, file_hashes, given, opts, cleaning, doc_split, text_field, cache, workers, progress, score_field)
+  t_scan, t_tok, t_tokenized = times
   docs, hashes, scores = [], [], []
   for scan, mask, (tokens, lengths) in zip(scans, keep, per_file):
     offsets = np.concatenate([[0], np.cumsum(lengths)])
