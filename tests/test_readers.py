@@ -83,6 +83,8 @@ def test_html_is_cleaned_by_default_code_is_untouched(corpus, tmp_path):
   counts = collections.Counter()  # by content, in a plain-text or JSON-lines input too; never code
   assert text_cleaning.clean_text("<div><p>a</p><p>b</p><span>c</span></div>", CleaningConfig(), counts) == "a\n\nb\nc"
   assert not html_text.looks_like_html(code) and not html_text.looks_like_html("x = a<b> c </b>")
+  template = 'ROW = """<tr><td>%s</td><td>%s</td></tr>"""\nPAGE = "<div>%s</div>"\n'  # code holding HTML
+  assert not html_text.looks_like_html(template)
   keep = text_cleaning.clean_text(page, CleaningConfig(strip_html="never"), counts)
   assert "<script>" in keep
 

@@ -13,8 +13,8 @@ _BLOCKS = frozenset({"address", "article", "aside", "blockquote", "br", "dd", "d
                      "hr", "li", "main", "nav", "ol", "p", "pre", "section", "table", "tr", "ul", "title"})
 _VOID = frozenset({"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track",
                    "wbr"})
-# A document is HTML when it opens as a page, or closes several common HTML elements: code that mentions
-# `List<String>` or `a < b` has neither.
+# A document is HTML when it starts with markup and either opens as a page or closes several common HTML
+# elements: code that mentions `List<String>` or `a < b`, or holds HTML templates in strings, does not.
 _PAGE_START = re.compile(r"\A\s*(?:<\?xml[^>]*>\s*)?(?:<!--.*?-->\s*)*<(?:!doctype\s+html|html[\s>])", re.I | re.S)
 _COMMON = "html|head|body|div|p|span|a|table|tr|td|ul|ol|li|h[1-6]|script|style|section|article|nav|footer|header"
 _CLOSING = re.compile(rf"</(?:{_COMMON})\s*>", re.I)
@@ -23,7 +23,10 @@ _BLANKS = re.compile(r"\n\s*\n\s*\n+")
 
 
 def looks_like_html(text: str, min_pairs: int = 3) -> bool:
-  """True for a page (<!doctype html>, <html>) or text with `min_pairs` closing tags of common HTML elements."""
+  """True for text that starts with markup and is a page (<!doctype html>, <html>) or has `min_pairs` closing
+  tags of common HTML elements."""
+  if not text.lstrip().startswith("<"):
+    return False
   if _PAGE_START.match(text):
     return True
   count = 0
