@@ -7,11 +7,9 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import multiprocessing
 import os
-import sys
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -19,11 +17,11 @@ import tensorflow as tf
 from t5x_like.data import chat
 from t5x_like.data import data_dir
 from t5x_like.data import input_pipeline
+from t5x_like.data.input_files import expand_inputs, input_kind, read_input, read_raw  # also the runners' API
 from t5x_like.data import near_dedup
 from t5x_like.data import ordering
 from t5x_like.data import preference
 from t5x_like.data import quality_filters
-from t5x_like.data import readers
 from t5x_like.data.tokenization_cache import CACHE_VERSION as _CACHE_VERSION
 from t5x_like.data.tokenization_cache import Cache
 from t5x_like.data.tokenization_cache import digest as _digest
@@ -31,133 +29,10 @@ from t5x_like.data import shard_writer
 from t5x_like.data import text_cleaning
 from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.data.text_cleaning import CleaningConfig
+from t5x_like.data.workers import Progress
+from t5x_like.data.workers import Workers
 
 log = logging.getLogger(__name__)
-
-
-def is_dataset_folder(path: str) -> bool:
-  """A `datasets.Dataset.save_to_disk` folder (state.json + Arrow files)."""
-  return tf.io.gfile.isdir(path) and tf.io.gfile.exists(shard_writer.join(path, readers.HF_STATE))
-
-
-def expand_inputs(patterns: Sequence[str]) -> list[str]:
-  """Expands each glob (any TF filesystem) to files and `datasets` folders; a pattern matching none is an
-  error naming it, and so is a DatasetDict folder (name one of its split folders)."""
-  if isinstance(patterns, str):
-    patterns = [patterns]
-  if not patterns:
-    raise ValueError("No --input given")
-  files = []
-  for pattern in patterns:
-    found = sorted(tf.io.gfile.glob(pattern))
-    for p in found:
-      if tf.io.gfile.isdir(p) and tf.io.gfile.exists(shard_writer.join(p, readers.HF_DICT)):
-        raise ValueError(f"--input '{p}' is a datasets DatasetDict folder: give one split's folder, e.g. "
-                         f"'{shard_writer.join(p, 'train')}'")
-    matches = [p for p in found if not tf.io.gfile.isdir(p) or is_dataset_folder(p)]
-    if not matches:
-      raise ValueError(f"--input '{pattern}' matches no file")
-    files.extend(m for m in matches if m not in files)
-  return files
-
-
-def input_kind(path: str) -> str:
-  """readers.input_kind: "hf_dataset", "jsonl", "parquet", "html" or "text"."""
-  return readers.input_kind(path, is_dir=is_dataset_folder(path))
-
-
-def read_raw(path: str) -> bytes:
-  """An input's bytes as stored (compressed ones compressed); a `datasets` folder's Arrow files, framed."""
-  if is_dataset_folder(path):
-    with tf.io.gfile.GFile(shard_writer.join(path, readers.HF_STATE), "rb") as f:
-      names = readers.hf_dataset_files(f.read(), path)
-    parts = []
-    for name in names:
-      with tf.io.gfile.GFile(shard_writer.join(path, name), "rb") as f:
-        parts.append(f.read())
-    return readers.frame(parts)
-  with tf.io.gfile.GFile(path, "rb") as f:
-    return f.read()
-
-
-def read_input(path: str) -> bytes:
-  """A file's bytes, .gz / .zst uncompressed; a corrupt one is a ValueError naming it."""
-  return readers.decompress(read_raw(path), path)
-
-
-class Progress:
-  """Logs "stage: i/n files, tokens, tokens/s" at most every `every_s` seconds and at the end."""
-
-  def __init__(self, stage: str, total: int, every_s: float = 2.0, enabled: bool = True):
-    self.stage, self.total, self.every_s, self.enabled = stage, total, every_s, enabled
-    self.start = self.last = time.time()
-    self.done = self.tokens = 0
-
-  def update(self, files: int = 1, tokens: int = 0) -> None:
-    self.done += files
-    self.tokens += tokens
-    now = time.time()
-    if self.enabled and (now - self.last >= self.every_s or self.done == self.total):
-      self.last = now
-      rate = self.tokens / max(now - self.start, 1e-9)
-      log.info("%s: %d/%d files, %d tokens, %.0f tokens/s", self.stage, self.done, self.total,
-               self.tokens, rate)
-
-
-@contextlib.contextmanager
-def _main_module_hidden():
-  """While workers start: multiprocessing would import this process's __main__ in each of them (the CLI, which
-  loads TensorFlow: seconds per worker); they run text_cleaning functions only, so it is hidden from it."""
-  main = sys.modules["__main__"]
-  saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
-  main.__spec__ = None
-  main.__dict__.pop("__file__", None)
-  try:
-    yield
-  finally:
-    main.__dict__.pop("__spec__", None)
-    main.__dict__.update(saved)
-
-
-class Workers:
-  """An ordered map over worker processes, each initialised by text_cleaning.init_worker(model); in this
-  process when num_workers <= 1. A context manager: the pool lives until exit, so two phases can share it."""
-
-  def __init__(self, num_workers: int, model: bytes | None = None):
-    self.num_workers, self.model, self.pool = num_workers, model, None
-
-  def __enter__(self) -> "Workers":
-    if self.num_workers <= 1:
-      text_cleaning.init_worker(self.model)
-      return self
-    if "forkserver" in multiprocessing.get_all_start_methods():
-      # Workers fork from a clean server that imported only the TF-free worker module: never from
-      # this process, whose TF / JAX threads make fork unsafe.
-      ctx = multiprocessing.get_context("forkserver")
-      ctx.set_forkserver_preload(["t5x_like.data.text_cleaning"])
-    else:
-      ctx = multiprocessing.get_context("spawn")
-    with _main_module_hidden():
-      self.pool = ctx.Pool(self.num_workers, text_cleaning.init_worker, (self.model,))
-    return self
-
-  def __exit__(self, *exc) -> None:
-    if self.pool is not None:
-      self.pool.terminate()
-      self.pool.join()
-      self.pool = None
-
-  def map(self, fn: Callable, args: Iterator) -> Iterator:
-    if self.pool is None:
-      yield from map(fn, args)
-      return
-    window = []
-    for a in args:  # bounded look-ahead: at most 4 files per worker are held in memory
-      window.append(a)
-      if len(window) >= 4 * self.num_workers:
-        yield from self.pool.imap(fn, window)
-        window = []
-    yield from self.pool.imap(fn, window)
 
 
 def get_tokenizer(files, file_hashes, opts, cache: Cache, num_workers, texts=None) -> tokenizer_lib.Tokenizer:
