@@ -76,6 +76,22 @@ def test_near_duplicates_are_removed_at_the_threshold_and_kept_below():
   assert near_dedup.find_near_duplicates(mid, NearDedupConfig(enabled=True, threshold=0.7)) == {1: 0}
 
 
+@pytest.mark.parametrize("threshold", [0.6, 0.7, 0.8, 0.9])
+def test_the_walk_over_similar_pairs_equals_the_walk_over_signatures(threshold):
+  """The Beam runner finds similar pairs per LSH bucket and walks them; the local runner walks the index. Chains
+  (a ~ b ~ c, a !~ c) keep c when b was dropped, in both."""
+  chain = [essay(5)]
+  for k in range(4):
+    chain.append(edited(chain[-1], 3, seed=k))
+  texts = chain + [essay(6), edited(essay(6), 1), essay(7)]
+  config = NearDedupConfig(enabled=True, threshold=threshold)
+  sigs = near_dedup.signatures(texts, config)
+  pairs = [(i, j) for i in range(len(texts)) for j in range(i + 1, len(texts))
+           if any(np.array_equal(sigs[i][a:b], sigs[j][a:b]) for a, b in near_dedup.bands(config))
+           and near_dedup.similar(sigs[i], sigs[j], config)]
+  assert near_dedup.walk_similar_pairs(pairs) == sorted(near_dedup.find_near_duplicates(sigs, config))
+
+
 @pytest.fixture(scope="module")
 def noisy_inputs(tmp_path_factory):
   """Web-like JSON lines: essays, their near-copies and exact copies, boilerplate, junk; in two files."""

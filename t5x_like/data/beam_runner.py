@@ -61,14 +61,21 @@ def _first_of_duplicates(element, dedup: bool):
     yield beam.pvalue.TaggedOutput("counts", {"dropped_duplicate": len(docs) - len(keep)})
 
 
-def _near_duplicates(docs, config):
-  """The orders of the near-duplicates among the unique documents (near_dedup.find_near_duplicates over
-  all signatures in input order, on one worker: the same walk as the local runner)."""
-  if not config.enabled:
-    return []
-  docs = sorted((order, sig) for order, _, _, sig in docs)
-  sigs = np.stack([sig for _, sig in docs]) if docs else np.zeros([0, config.num_perm], np.uint64)
-  return sorted(docs[k][0] for k in near_dedup.find_near_duplicates(sigs, config))
+def _band_keys(element, config):
+  """A unique document -> ((band, its signature slice), (order, signature)) for each LSH band."""
+  order, _, _, sig = element
+  for band, (start, end) in enumerate(near_dedup.bands(config)):
+    yield (band, sig[start:end].tobytes()), (order, sig)
+
+
+def _similar_pairs(element, config):
+  """The (earlier, later) orders of the similar documents of one LSH bucket."""
+  _, docs = element
+  docs = sorted(docs, key=lambda d: d[0])
+  for i, (a, sig_a) in enumerate(docs):
+    for b, sig_b in docs[i + 1:]:
+      if near_dedup.similar(sig_a, sig_b, config):
+        yield a, b
 
 
 class _Tokenize(beam.DoFn):
@@ -151,10 +158,11 @@ def run(inputs: Sequence[str] | str, output_dir: str, *, runner: str = "DirectRu
   """Writes the same DATA_DIR as `preprocess.preprocess` with a Beam runner; returns the report.
 
   The tokenizer is loaded or trained on the driver first (pass `tokenizer` for corpora too big
-  for one machine). Reading, cleaning and filtering, exact de-duplication, tokenization of the
-  survivors, the split and shard plan, and the shard writes run in Beam; the near-duplicate walk
-  (`near_dedup.find_near_duplicates`, order-dependent) runs on one worker over all signatures
-  (num_perm × 8 bytes per document). The driver then writes tokenizer.model and manifest.json.
+  for one machine). Reading, cleaning and filtering, exact de-duplication, near-duplicate candidate
+  pairs (by LSH bucket), tokenization of the survivors, the split and shard plan, and the shard writes
+  run in Beam; the order-dependent walk over the similar pairs (`near_dedup.walk_similar_pairs`, the
+  same answer as the local runner's) runs on one worker. The driver then writes tokenizer.model and
+  manifest.json.
 
   Args:
     runner: a Beam runner name; `pipeline_args` are its options (e.g. ["--project=p"]).
@@ -190,8 +198,15 @@ def run(inputs: Sequence[str] | str, output_dir: str, *, runner: str = "DirectRu
     unique, dup_counts = (docs | "ByHash" >> beam.GroupByKey()
                           | "Dedup" >> beam.FlatMap(_first_of_duplicates, cleaning.dedup)
                           .with_outputs("counts", main="docs"))
-    near = (unique | "AllSignatures" >> beam.combiners.ToList()
-            | "NearDuplicates" >> beam.Map(_near_duplicates, cleaning.near_dedup))
+    if cleaning.near_dedup.enabled:  # candidate pairs by LSH bucket in parallel, then the walk over them
+      near = (unique | "Bands" >> beam.FlatMap(_band_keys, cleaning.near_dedup)
+              | "ByBand" >> beam.GroupByKey()
+              | "SimilarPairs" >> beam.FlatMap(_similar_pairs, cleaning.near_dedup)
+              | "DistinctPairs" >> beam.Distinct()
+              | "AllPairs" >> beam.combiners.ToList()
+              | "NearDuplicates" >> beam.Map(lambda pairs: set(near_dedup.walk_similar_pairs(pairs))))
+    else:
+      near = p | "NoNearDuplicates" >> beam.Create([set()])
     tokenized, dropped = (unique | "Tokenize" >> beam.ParDo(_Tokenize(tok.encoder_model, tok.eos_id),
                                                             near=beam.pvalue.AsSingleton(near))
                           .with_outputs("dropped", main="docs"))

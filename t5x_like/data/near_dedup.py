@@ -66,12 +66,36 @@ def find_near_duplicates(sigs: np.ndarray, config: NearDedupConfig) -> dict[int,
   dropped = {}
   for i, sig in enumerate(sigs):
     m = MinHash(num_perm=config.num_perm, seed=config.seed, hashvalues=sig, scheme=SCHEME)
-    match = [j for j in sorted(lsh.query(m)) if float(np.mean(sigs[j] == sig)) >= config.threshold]
+    match = [j for j in sorted(lsh.query(m)) if similar(sigs[j], sig, config)]
     if match:
       dropped[i] = match[0]
     else:
       lsh.insert(i, m, check_duplication=False)
   return dropped
+
+
+def bands(config: NearDedupConfig) -> list[tuple[int, int]]:
+  """The signature slices the LSH index buckets by (datasketch's choice for threshold and num_perm): two
+  documents are candidates when any slice is equal."""
+  return list(MinHashLSH(threshold=config.threshold, num_perm=config.num_perm).hashranges)
+
+
+def similar(a: np.ndarray, b: np.ndarray, config: NearDedupConfig) -> bool:
+  return float(np.mean(a == b)) >= config.threshold
+
+
+def walk_similar_pairs(pairs) -> list:
+  """`find_near_duplicates`' walk from the candidate pairs alone: (earlier, later) keys of documents that share
+  an LSH band and are `similar`. A document is dropped when an earlier one it is similar to was kept; the same
+  answer as the walk over every signature, for a runner that finds the pairs in parallel (the Beam runner)."""
+  earlier = {}
+  for a, b in pairs:
+    earlier.setdefault(b, set()).add(a)
+  dropped = set()
+  for d in sorted(earlier):
+    if any(e not in dropped for e in earlier[d]):
+      dropped.add(d)
+  return sorted(dropped)
 
 
 def select_documents(scans, exact: bool, config: NearDedupConfig, note) -> tuple[list[np.ndarray], dict]:
