@@ -140,8 +140,9 @@ class Experiment:
       self.state_shardings = offload.offload_shardings(self.state_shardings)
 
   def make_objective(self):
-    """The loss over the model's parameters that ObjectiveConfig names: language modelling, or preference
-    optimisation (DPO/IPO/SimPO) over a preference DATA_DIR's rows of pairs."""
+    """The loss over the model's parameters that ObjectiveConfig names: language modelling, preference
+    optimisation (DPO/IPO/SimPO) or a reward model (Bradley–Terry) over a preference DATA_DIR's rows of pairs,
+    GRPO, or distillation from a frozen teacher."""
     config, manifest = self.config, self.manifest
     if config.objective.name == "language_model":
       if manifest is not None and manifest.get("format") == "preference":

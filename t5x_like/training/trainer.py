@@ -94,11 +94,14 @@ def initial_state(exp: Experiment, manager, train_iter) -> tuple:
   checkpoint, never the base), else a fresh state, warm-started from CheckpointConfig.warm_start_from
   (INITIAL_CHECKPOINT_PATH) after checking its shapes. Under LoRA the base is loaded as the frozen model:
   on resume the one the checkpoint's metadata names, else INITIAL_CHECKPOINT_PATH's newest step. A DPO/IPO
-  objective's frozen reference is loaded the same way (REFERENCE_CHECKPOINT_PATH, default INITIAL_CHECKPOINT_PATH).
+  objective's frozen reference is loaded the same way (REFERENCE_CHECKPOINT_PATH, default INITIAL_CHECKPOINT_PATH),
+  and a distillation teacher (TEACHER_CHECKPOINT_PATH). A reward model warm-started from a checkpoint without a
+  score head keeps its fresh (zero) head.
 
   Returns:
     (start step, state, the restored checkpoint's metadata or None, metadata to record in this run's
-    checkpoints: {'lora': {...}} or {'initial_checkpoint': path}, and {'reference_checkpoint': path}).
+    checkpoints: {'lora': {...}} or {'initial_checkpoint': path}, {'reference_checkpoint': path} and
+    {'teacher_checkpoint': path}).
   """
   config, ckpt = exp.config, exp.config.checkpoint
   abstract = exp.abstract_with_shardings()
