@@ -16,6 +16,7 @@ import sys
 
 from absl import app
 from absl import flags
+import gin
 import tensorflow as tf
 
 from t5x_like import cli
@@ -94,8 +95,13 @@ def main(argv) -> None:
   try:
     cli.register(chat.ChatTemplate, "data")
     cli.register(QualityConfig, "data")
-    if fl.gin_file or fl.gin_bindings:
+    if fl.gin_file:
       cli.parse_gin(fl.gin_file, fl.gin_bindings, fl.gin_search_paths)
+    for binding in [] if fl.gin_file else fl.gin_bindings or []:  # --gin.data.QualityConfig.X=... alone
+      try:
+        gin.parse_config(binding)
+      except (ValueError, SyntaxError, KeyError, TypeError) as e:
+        raise ValueError(f"gin binding {binding!r}: {str(e).strip().splitlines()[0]}") from e
     cleaning = CleaningConfig(non_utf8=fl.non_utf8, strip_html=fl.strip_html,
                               remove_control_chars=fl.remove_control_chars,
                               unicode_form=fl.unicode_form, whitespace=fl.whitespace,
