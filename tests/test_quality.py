@@ -143,7 +143,7 @@ def test_cli_flags_reach_the_filters(noisy_inputs, corpus, tmp_path):
   import sys  # pylint: disable=g-import-not-at-top
   run = subprocess.run([sys.executable, "-m", "t5x_like.preprocess", f"--input={noisy_inputs[0]}",
                         f"--input={noisy_inputs[1]}", f"--output_dir={tmp_path / 'o'}", f"--tokenizer={corpus}",
-                        "--quality_filters", "--near_dedup", "--near_dedup_threshold=0.7", "--num_workers=2",
+                        "--quality_filters", "--near_dedup", "--near_dedup_threshold=0.7", "--num_workers=1",
                         "--gin.data.QualityConfig.max_digit_ratio=1.0", "--validation_fraction=0"],
                        capture_output=True, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), check=False)
   assert run.returncode == 0, run.stderr
