@@ -181,7 +181,7 @@ def test_a_runs_operative_config_gin_gives_the_teachers_model_config(tmp_path):
 
 @pytest.mark.slow  # an LM run, a distillation run and a resumed run, of a few steps each (≈ 45 s on 2 loaded cores)
 def test_distilled_student_beats_scratch_and_resumes_exactly(corpus, tmp_path):
-  """The student from scratch: STEPS language-model steps; the teacher: the same run continued to 6 × STEPS (a
+  """The student from scratch: STEPS language-model steps; the teacher: the same run continued to 4 × STEPS (a
   self-distillation teacher of the student's size; tests with a larger teacher are above and below). Small
   batches (8 × 16 tokens), where the teacher's full distributions beat the data's one-hot targets."""
   steps, small = 12, dict(batch_size=8, seq_len=16)
@@ -191,7 +191,7 @@ def test_distilled_student_beats_scratch_and_resumes_exactly(corpus, tmp_path):
   state, step, eval_step = exp.init_state(), exp.jit_train_step(), exp.jit_eval_step()
   batches = iter(exp.dataset("train", shuffle=True, repeat=True))
   with exp.context():
-    for i in range(6 * steps):
+    for i in range(4 * steps):
       state, _ = step(state, exp.global_batch(global_batch.tf_to_numpy(next(batches))), exp.frozen)
       if i + 1 == steps:
         scratch = exp.evaluate(state.params, eval_step)["eval/loss"]
@@ -203,8 +203,8 @@ def test_distilled_student_beats_scratch_and_resumes_exactly(corpus, tmp_path):
                       objective=objective, **small)
   distilled = trainer.train(config, STUDENT, opt)  # the same initial parameters and batches as the scratch run
   print({"teacher": teacher_loss, "scratch": scratch, "distilled": distilled["eval/cross_entropy"]})
-  assert teacher_loss < scratch - 0.3
-  assert distilled["eval/cross_entropy"] < scratch - 0.02  # measured: 2.902 vs 2.946
+  assert teacher_loss < scratch - 0.05  # measured: 2.859 vs 2.946
+  assert distilled["eval/cross_entropy"] < scratch - 0.02  # measured: 2.897 vs 2.946
   # rewound to step steps−2 and resumed: the last two steps repeat bit for bit, against the same teacher
   rewound = conftest.rewind(tmp_path / "d", tmp_path / "resumed", steps - 2)
   trainer.train(dataclasses.replace(config, model_dir=rewound,
