@@ -37,6 +37,10 @@ REMAT_WORKING = 0.25  # share of one un-rematerialised layer live while a remat 
 WEIGHT_COPIES = 3.5  # live bytes ÷ bfloat16 weight residuals, which XLA keeps gathered over `fsdp`
 UPDATE_TEMPS = 2.0  # float32 parameter-sized buffers of the backward + AdamW update (grads, updates)
 ACCUMULATOR_TEMPS = 0.75  # extra float32 parameter-sized buffers when NUM_MICROBATCHES > 1
+# float32 (rows, heads, T, T) attention-score buffers live while a rematerialised layer's attention is rebuilt and
+# differentiated (logits, probabilities, their gradients), beyond the loss's working set (not live at the same
+# time); fitted to XLA:CPU at T = 512..2048, where they dominate (tests/test_long_sequence.py).
+ATTENTION_WORKING = 4.0
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -250,11 +254,13 @@ def estimate(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int, seq_le
     per_layer += 2 * itemsize * seq_len * cfg.kv_heads * cfg.head_dim / t * cfg.layers_per_unit * (1 - 1 / s)
   activations = ACTIVATION_OVERHEAD * rows * in_flight * layers * per_layer
   p_gathered = param_elements_per_device(cfg, dataclasses.replace(layout, fsdp=1), rules)
-  working = (LOSS_OVERHEAD * rows * (prof.head + prof.head_tensor / t) / s
-             + WEIGHT_COPIES * prof.weights * p_gathered / p_total)
+  loss_working = LOSS_OVERHEAD * rows * (prof.head + prof.head_tensor / t) / s
+  working = loss_working + WEIGHT_COPIES * prof.weights * p_gathered / p_total
   if cfg.remat_policy != "none":  # one layer's forward is rebuilt during its backward
     stage_rows = rows / layout.stage_microbatches  # a pipeline stage recomputes one pipeline microbatch
     working += REMAT_WORKING * stage_rows * _per_layer(dataclasses.replace(cfg, remat_policy="none"), seq_len, t) / s
+    scores = ATTENTION_WORKING * stage_rows * cfg.num_heads / t * (seq_len / s) * seq_len * 4.0
+    working += max(0.0, scores - loss_working)  # the loss's buffers and the scores are not live at once
   grads = 4.0 * p_dev * (UPDATE_TEMPS + (ACCUMULATOR_TEMPS if layout.num_microbatches > 1 else 0.0))
   inputs = 5 * 4.0 * global_batch * seq_len / (batch_ways * s)
   return MemoryEstimate(params=4.0 * p_dev, optimizer=8.0 * p_dev, grads=grads, activations=activations,
