@@ -60,7 +60,7 @@ def model_config(name: str, **overrides) -> model_lib.GPTConfig:
   gin_utils.parse_gin([path])
   cfg = gin_utils.configured(model_lib.GPTConfig, "model")
   gin.clear_config()
-  cfg = dataclasses.replace(cfg, vocab_size=vocab, **overrides)
+  cfg = dataclasses.replace(cfg, **{"vocab_size": vocab, **overrides})
   cfg.validate()
   return cfg
 
@@ -85,9 +85,9 @@ def cpu_matmul_rate(dtype: str = "float32", size: int = 1024, calls: int = 6) ->
   return 2.0 * size**3 * 8 * calls / (time.process_time() - c0)
 
 
-def bench_point(cfg, batch: int, seq: int, steps: int, warmup: int, loss_scaling: str = "auto",
-                offload_optimizer: bool = False) -> dict:
-  """Compile time, mean step time and CPU seconds per step of the jitted train_step on one device."""
+def compiled_step(cfg, batch: int, seq: int, loss_scaling: str = "auto", offload_optimizer: bool = False) -> tuple:
+  """(compiled train step, initial state, batch on the device, compile seconds, compile CPU seconds): the trainer's
+  jitted train_step (shardings, donated state) for `cfg` on one device."""
   mesh = mesh_lib.create_mesh({"data": 1}, jax.devices()[:1])
   model = model_lib.GPT(cfg)
   tx = optimizer.make_optimizer(optimizer.OptimizerConfig(), 1000)
@@ -110,19 +110,26 @@ def bench_point(cfg, batch: int, seq: int, steps: int, warmup: int, loss_scaling
                    donate_argnums=(0,))
     t0, c0 = time.perf_counter(), time.process_time()
     compiled = step.lower(state, data).compile()
-    compile_seconds, compile_cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-    t0 = time.perf_counter()
+  return compiled, state, data, time.perf_counter() - t0, time.process_time() - c0
+
+
+def bench_point(cfg, batch: int, seq: int, steps: int, warmup: int, loss_scaling: str = "auto",
+                offload_optimizer: bool = False) -> dict:
+  """Compile time, mean step time and CPU seconds per step of the jitted train_step on one device."""
+  compiled, state, data, compile_seconds, compile_cpu_seconds = compiled_step(cfg, batch, seq, loss_scaling,
+                                                                              offload_optimizer)
+  t0 = time.perf_counter()
+  state, metrics = compiled(state, data)
+  jax.block_until_ready(metrics)
+  first_step_seconds = time.perf_counter() - t0
+  for _ in range(warmup):
     state, metrics = compiled(state, data)
-    jax.block_until_ready(metrics)
-    first_step_seconds = time.perf_counter() - t0
-    for _ in range(warmup):
-      state, metrics = compiled(state, data)
-    jax.block_until_ready(metrics)
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(steps):  # async dispatch: no host sync inside the loop
-      state, metrics = compiled(state, data)
-    loss = float(metrics["loss"])
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+  jax.block_until_ready(metrics)
+  t0, c0 = time.perf_counter(), time.process_time()
+  for _ in range(steps):  # async dispatch: no host sync inside the loop
+    state, metrics = compiled(state, data)
+  loss = float(metrics["loss"])
+  wall, cpu = time.perf_counter() - t0, time.process_time() - c0
   return {"compile_seconds": compile_seconds, "compile_cpu_seconds": compile_cpu_seconds,
           "first_step_seconds": first_step_seconds, "step_seconds": wall / steps, "cpu_seconds": cpu / steps,
           "loss": loss}

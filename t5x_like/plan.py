@@ -32,6 +32,7 @@ def define_flags():
   flags.DEFINE_float("efficiency", 0.6, "fraction of peak FLOP/s reached while computing")
   flags.DEFINE_float("comm_efficiency", 0.7, "fraction of nominal link bandwidth reached by collectives")
   flags.DEFINE_float("memory_fraction", 0.9, "usable fraction of device memory")
+  flags.DEFINE_integer("max_sequence", 1, "largest context-parallel `sequence` axis searched (1 = none)")
   flags.DEFINE_bool("causal_halved", False, "count only the unmasked half of causal attention in FLOPs/MFU")
   flags.DEFINE_integer("top", 10, "rows of the ranked table")
   flags.DEFINE_bool("compile", False, "AOT-compile the best layout's train step on a CPU-emulated mesh and "
@@ -69,7 +70,7 @@ def _target_from_flags(cfg: model_lib.GPTConfig) -> Target:
   return Target(hardware=hw, num_devices=f.num_devices, global_batch=int(batch), seq_len=int(seq_len),
                 tokens=float(tokens), devices_per_host=per_host, efficiency=f.efficiency,
                 comm_efficiency=f.comm_efficiency, memory_fraction=f.memory_fraction,
-                causal_halved=f.causal_halved)
+                causal_halved=f.causal_halved, max_sequence=max(1, f.max_sequence))
 
 
 def _model_from_gin() -> model_lib.GPTConfig:

@@ -1,0 +1,151 @@
+"""t5x_like's train step against a plain PyTorch eager loop of the same GPT on this CPU, in one run.
+
+    python bench/torch_reference.py                       # gpt_tiny and gpt_25m, default dtype and float32
+    python bench/torch_reference.py --models=gpt_tiny --steps=20 --rounds=3
+
+The PyTorch side is what a new user writes (nanoGPT-style): nn.Embedding (tied to the output projection),
+learned positions, pre-LN blocks of nn.Linear / F.scaled_dot_product_attention(is_causal=True) / GELU (tanh),
+AdamW, float32, `torch.set_num_threads(--threads)`, loss.backward() + optimizer.step() per step. The t5x_like side
+is the trainer's own jitted step (bench/train_throughput.bench_point: TrainState, AdamW with clipping, donated
+state, the language-model objective) on one synthetic batch kept on the device, in the model's default dtype
+(bfloat16 activations) and in float32. Both see batch × seq tokens per step (default 16 × 256) and the same
+shapes (the model gin file's, vocabulary --vocab).
+
+Timing: wall-clock seconds per step, best of --rounds rounds of --steps steps after a warm-up, the two
+frameworks alternating round by round so a change in the machine's load hits both. `uptime`'s load average is
+printed: on a shared 2-core machine, numbers are only comparable at a load average near 0.
+"""
+
+import argparse
+import math
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import train_throughput  # bench/ is on sys.path when this file runs as a script
+
+from t5x_like.model import decoder as model_lib
+
+
+class Block(nn.Module):
+  def __init__(self, d_model: int, heads: int, d_ff: int):
+    super().__init__()
+    self.heads = heads
+    self.ln_1, self.ln_2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+    self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+    self.mlp_in, self.mlp_out = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+
+  def forward(self, x):  # (B, T, C)
+    b, t, c = x.shape
+    q, k, v = self.qkv(self.ln_1(x)).split(c, dim=2)
+    q, k, v = (a.view(b, t, self.heads, c // self.heads).transpose(1, 2) for a in (q, k, v))  # (B, H, T, Dh)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+    x = x + self.out(y)
+    return x + self.mlp_out(F.gelu(self.mlp_in(self.ln_2(x)), approximate="tanh"))
+
+
+class TorchGPT(nn.Module):
+  """nanoGPT's GPT with the shapes of a t5x_like GPTConfig (tied embeddings, learned positions)."""
+
+  def __init__(self, cfg: model_lib.GPTConfig):
+    super().__init__()
+    self.wte, self.wpe = nn.Embedding(cfg.vocab_size, cfg.d_model), nn.Embedding(cfg.max_len, cfg.d_model)
+    self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.num_heads, cfg.d_ff) for _ in range(cfg.num_layers))
+    self.ln_f = nn.LayerNorm(cfg.d_model)
+    for p in self.parameters():
+      if p.dim() == 2:
+        nn.init.normal_(p, std=0.02)
+
+  def forward(self, tokens, targets):  # (B, T) each
+    x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+    for block in self.blocks:
+      x = block(x)
+    logits = self.ln_f(x) @ self.wte.weight.T  # (B, T, V)
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class TorchLoop:
+  """A PyTorch eager training loop on one batch; `run(steps)` returns the last loss."""
+
+  def __init__(self, cfg: model_lib.GPTConfig, batch: dict):
+    torch.manual_seed(0)
+    self.model = TorchGPT(cfg)
+    self.opt = torch.optim.AdamW(self.model.parameters(), lr=6e-4, weight_decay=0.1)
+    self.inputs = torch.from_numpy(batch["inputs"].astype(np.int64))
+    self.targets = torch.from_numpy(batch["targets"].astype(np.int64))
+
+  def run(self, steps: int) -> float:
+    for _ in range(steps):
+      loss = self.model(self.inputs, self.targets)
+      self.opt.zero_grad(set_to_none=True)
+      loss.backward()
+      self.opt.step()
+    return loss.item()
+
+
+class T5xLoop:
+  """t5x_like's trainer step, compiled once (bench/train_throughput.compiled_step); `run(steps)` → last loss."""
+
+  def __init__(self, cfg: model_lib.GPTConfig, batch: int, seq: int):
+    self.step, self.state, self.data, _, _ = train_throughput.compiled_step(cfg, batch, seq)
+
+  def run(self, steps: int) -> float:
+    for _ in range(steps):  # no host sync inside the loop, as the trainer between log steps
+      self.state, metrics = self.step(self.state, self.data)
+    return float(metrics["loss"])
+
+
+def seconds_per_step(loop, steps: int) -> tuple:
+  t0 = time.perf_counter()
+  loss = loop.run(steps)
+  return (time.perf_counter() - t0) / steps, loss
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--models", default="gpt_tiny,gpt_25m")
+  parser.add_argument("--dtypes", default="bfloat16,float32", help="t5x_like compute dtypes (bfloat16 = default)")
+  parser.add_argument("--vocab", type=int, default=8192)
+  parser.add_argument("--batch", type=int, default=16)
+  parser.add_argument("--seq", type=int, default=256)
+  parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+  parser.add_argument("--attention_impl", default="", help="t5x_like GPTConfig.attention_impl; '' = the config's")
+  args = parser.parse_args()
+  torch.set_num_threads(args.threads)
+  print(f"torch {torch.__version__} ({torch.get_num_threads()} threads); {os.cpu_count()} cores; "
+        f"load average {os.getloadavg()[0]:.2f} at start; batch {args.batch} × {args.seq}\n")
+  print("| model | params | t5x_like dtype | t5x_like tokens/s | PyTorch float32 tokens/s | ratio | loss t5x / torch |")
+  print("|---|---:|---|---:|---:|---:|---|")
+  tokens = args.batch * args.seq
+  for name in args.models.split(","):
+    torch_loop, torch_seconds = None, math.inf
+    for dtype in args.dtypes.split(","):
+      overrides = {"attention_impl": args.attention_impl} if args.attention_impl else {}
+      cfg = train_throughput.model_config(name, dtype=dtype, vocab_size=args.vocab, **overrides)
+      if torch_loop is None:
+        torch_loop = TorchLoop(cfg, train_throughput.synthetic_batch(args.batch, args.seq, cfg.vocab_size))
+        torch_loop.run(args.warmup)
+      t5x_loop, t5x_seconds = T5xLoop(cfg, args.batch, args.seq), math.inf
+      t5x_loop.run(args.warmup)
+      for _ in range(args.rounds):  # alternate: one t5x_like round, one PyTorch round
+        seconds, t5x_loss = seconds_per_step(t5x_loop, args.steps)
+        t5x_seconds = min(t5x_seconds, seconds)
+        seconds, torch_loss = seconds_per_step(torch_loop, args.steps)
+        torch_seconds = min(torch_seconds, seconds)
+      print(f"| {name} | {model_lib.count_params(cfg) / 1e6:.1f}M | {dtype} | {tokens / t5x_seconds:,.0f} | "
+            f"{tokens / torch_seconds:,.0f} | {torch_seconds / t5x_seconds:.2f}× | {t5x_loss:.2f} / {torch_loss:.2f} |",
+            flush=True)
+  print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
+
+
+if __name__ == "__main__":
+  main()
