@@ -26,6 +26,10 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+from t5x_like.parallel import distributed  # pylint: disable=g-import-not-at-top,g-bad-import-order
+
+distributed.set_cpu_xla_flags()  # the XLA:CPU flags the trainer runs with (before jax starts its backend)
+
 import flax.linen as nn  # pylint: disable=g-import-not-at-top,g-bad-import-order
 import jax
 import jax.numpy as jnp

@@ -12,6 +12,7 @@ shared by all keys), and with a tiny eps Adam would turn its float32 noise (~1e-
 
 import dataclasses
 import functools
+import os
 
 import flax.linen as nn
 import jax
@@ -306,3 +307,15 @@ def test_slow_links_go_to_the_outer_axes(shape, granules, within, across):
 def test_tensor_is_never_split_over_slices():
   with pytest.raises(ValueError, match="cannot spread 4 slices"):
     mesh_lib.split_over_granules({"pipeline": 1, "data": 2, "fsdp": 1, "tensor": 8}, 4)
+
+
+def test_cpu_xla_flags_are_added_once_and_never_override_the_users(monkeypatch):
+  from t5x_like.parallel import distributed  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+  distributed.set_cpu_xla_flags()
+  distributed.set_cpu_xla_flags()
+  assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=2",
+                                             *distributed.CPU_XLA_FLAGS]
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=individual_dot")
+  distributed.set_cpu_xla_flags()
+  assert os.environ["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type=individual_dot"

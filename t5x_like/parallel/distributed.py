@@ -15,6 +15,13 @@ from jax.experimental import multihost_utils
 
 from t5x_like import errors
 
+# XLA:CPU flags a run starts with unless XLA_FLAGS already names them (they must be set before the backend starts;
+# other backends ignore xla_cpu_* flags). Library (YNN/XNNPACK) fusions for dots only: with its elementwise and
+# reduction fusions on too, XLA:CPU materialises every operand it hands to the library, e.g. the loss's (B, L, V)
+# float32 one-hot select and the transposed logits gradient; dots only takes 20-26% off a gpt_tiny training step
+# (docs/performance.md, bench/torch_reference.py).
+CPU_XLA_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=dot",)
+
 # Environment variables that mean "a cluster launched us" and that jax.distributed can read by itself.
 _AUTO_DETECT_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
 
@@ -68,7 +75,16 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
   return True
 
 
+def set_cpu_xla_flags() -> None:
+  """Appends CPU_XLA_FLAGS to $XLA_FLAGS, except those it already sets; call before any jax computation."""
+  current = os.environ.get("XLA_FLAGS", "")
+  extra = [flag for flag in CPU_XLA_FLAGS if flag.split("=")[0] not in current]
+  if extra:
+    os.environ["XLA_FLAGS"] = " ".join([current] + extra).strip()
+
+
 def initialize_from_flags() -> bool:
+  set_cpu_xla_flags()
   f = flags.FLAGS
   return initialize(f.coordinator_address, f.num_processes, f.process_id, mode=f.multihost,
                     initialization_timeout=f.initialization_timeout, heartbeat_timeout=f.heartbeat_timeout,
