@@ -7,7 +7,7 @@ sequence per step) but not 1,024; 2,048 = 4 × 512 fits with `sequence` = 8 (not
 one layer's (T/s, T) float32 scores while it is recomputed, and those grow with T²/s). Checked against XLA:CPU's
 compiled memory analysis while fitting the memory model (max_len 4,096, so the position table is larger:
 512 tokens: 52.5 estimated vs 57.2 MiB; 2,048: 191.6 vs 214.1; 2,048 over sequence 4: 78.7 vs 79.1); the slow
-test re-checks the planned layout and runs its step.
+test re-checks the planned layout and runs two steps.
 """
 
 import dataclasses
@@ -55,10 +55,10 @@ def test_a_sequence_four_times_longer_than_one_device_holds_is_planned_over_sequ
   assert best.time.sequence > 0 and best.memory.total < BUDGET
 
 
-@pytest.mark.slow  # one train-step compile on 8 devices and three steps at 2,048 tokens; CI runs it
+@pytest.mark.slow  # one train-step compile on 8 devices and two steps at 2,048 tokens; CI runs it
 def test_the_planned_long_sequence_layout_compiles_within_the_budget_and_trains():
   layout = memory_model.Layout(sequence=8, remat_policy="full")
-  opt = optimizer.OptimizerConfig(learning_rate=1e-2, warmup_steps=1)  # step 0 runs at lr 0: 3 steps show learning
+  opt = optimizer.OptimizerConfig(learning_rate=1e-2, warmup_steps=0)  # no warm-up: the first step already learns
   compiled = memory_model.compile_train_step(LONG, layout, 1, LENGTH, optimizer_config=opt)
   xla = memory_model.xla_bytes_per_device(compiled.memory_analysis())
   assert xla < BUDGET
@@ -77,7 +77,7 @@ def test_the_planned_long_sequence_layout_compiles_within_the_budget_and_trains(
     assert sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp", "expert"), "sequence")
     batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
     losses = []
-    for _ in range(3):
+    for _ in range(2):
       state, metrics = compiled(state, batch, {})
       losses.append(float(metrics["loss"]))
-  assert np.isfinite(losses).all() and losses[2] < losses[0] and abs(losses[0] - np.log(LONG.vocab_size)) < 0.5
+  assert np.isfinite(losses).all() and losses[1] < losses[0] and abs(losses[0] - np.log(LONG.vocab_size)) < 0.5
