@@ -354,7 +354,7 @@ def imported_llama_reference(imported):
 
 
 @pytest.mark.slow  # fast subset: the developer loop; CI runs it
-@pytest.mark.parametrize("layout", ["data2_fsdp2_tensor2", "pipeline2_data2_tensor2"])
+@pytest.mark.parametrize("layout", ["data2_fsdp2_tensor2", "pipeline2_data2_tensor2_v2"])
 def test_imported_llama_trains_on_every_kind_of_layout_like_one_device(layout, imported_llama_reference):
   """The imported grouped-query Llama (padded vocabulary rows masked) from its converted weights: the
   data×fsdp×tensor and pipeline×data×tensor layouts train exactly like one device (test_parallelism's

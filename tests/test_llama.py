@@ -48,7 +48,7 @@ LLAMA_PARAM_ATOL = 5e-6
 
 
 @pytest.mark.slow  # fast subset: the developer loop; CI runs it
-@pytest.mark.parametrize("layout", ["data2_fsdp2_tensor2", "pipeline2_data2_tensor2"])
+@pytest.mark.parametrize("layout", ["data2_fsdp2_tensor2", "pipeline2_data2_tensor2_v2"])
 def test_llama_layout_trains_like_one_device(layout, llama_initial_state, llama_reference):
   """Grouped-query heads split over `tensor` with their query groups; positions travel through the pipeline."""
   result = test_parallelism.train(llama_initial_state, **test_parallelism.LAYOUTS[layout], base=LLAMA)
