@@ -84,7 +84,6 @@ def set_cpu_xla_flags() -> None:
 
 
 def initialize_from_flags() -> bool:
-  set_cpu_xla_flags()
   f = flags.FLAGS
   return initialize(f.coordinator_address, f.num_processes, f.process_id, mode=f.multihost,
                     initialization_timeout=f.initialization_timeout, heartbeat_timeout=f.heartbeat_timeout,
