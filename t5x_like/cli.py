@@ -13,7 +13,6 @@ import gin
 from t5x_like import errors
 from t5x_like.data import chat
 from t5x_like.model import decoder
-from t5x_like.parallel import distributed
 from t5x_like.training import optimizer
 from t5x_like.training import precision
 from t5x_like.training import config as train_config_lib
@@ -180,7 +179,6 @@ def run(main: Callable) -> None:
 
   def wrapped(argv):
     logging.get_absl_handler().addFilter(_QuietLibraries())
-    distributed.set_cpu_xla_flags()  # every entry point computes like the trainer (before the backend starts)
     try:
       return main(argv)
     except (ValueError, OSError, ImportError) as e:  # OSError covers FileNotFoundError, PermissionError, ...

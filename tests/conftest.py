@@ -20,8 +20,6 @@ def xla_flags(devices: int = 8) -> str:
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-from t5x_like.parallel import distributed  # pylint: disable=g-import-not-at-top,wrong-import-position
-distributed.set_cpu_xla_flags()  # tests (and the CLIs they launch) compute with the entry points' XLA:CPU flags
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent JAX compilation cache for the test run and every process it launches (CLI runs, the
 # two-process tests): a step compiled once is loaded, not recompiled, by the next launch of the same config.
