@@ -91,7 +91,7 @@ class LoraConfig:
     return self.alpha / self.rank
 
 
-# ObjectiveConfig.name values: training/objectives/<name>.py (see Experiment.make_objective).
+# ObjectiveConfig.name values: training/objectives/<name>.py (see training/objective_choice.py).
 OBJECTIVES = ("language_model", "preference", "reward", "distill", "grpo")
 
 

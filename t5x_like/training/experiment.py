@@ -12,7 +12,6 @@ import functools
 import math
 from typing import Optional
 
-import flax
 import flax.linen as nn
 import jax
 
@@ -27,13 +26,12 @@ from t5x_like.parallel import global_batch
 from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.parallel import offload
 from t5x_like.parallel import partitioning
-from t5x_like.parallel import axis_names as ax
 from t5x_like.training import checkpointing
-from t5x_like.training import fault_tolerance
+from t5x_like.training import frozen_models
 from t5x_like.training import lora as lora_lib
+from t5x_like.training import objective_choice
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import precision
-from t5x_like.training import rewards
 from t5x_like.training import rollout
 from t5x_like.training import step as step_lib
 from t5x_like.training import train_state as train_state_lib
@@ -41,16 +39,7 @@ from t5x_like.training import trainable as trainable_lib
 from t5x_like.training.config import TrainConfig
 from t5x_like.training.objectives import grpo
 from t5x_like.training.objectives import distill
-from t5x_like.training.objectives import language_model
 from t5x_like.training.objectives import preference
-from t5x_like.training.objectives import reward
-
-
-# The model config field each logical parameter axis comes from (named in shape-mismatch errors).
-AXIS_FIELDS = {ax.VOCAB: "GPTConfig.vocab_size", ax.EMBED: "GPTConfig.d_model", ax.MLP: "GPTConfig.d_ff",
-               ax.HEADS: "GPTConfig.num_heads", ax.KV_HEADS: "GPTConfig.num_kv_heads",
-               ax.KV: "GPTConfig.d_model / num_heads (head_dim)", ax.LAYERS: "GPTConfig.num_layers",
-               ax.POSITION: "GPTConfig.max_len", ax.NORM: "GPTConfig.d_model", ax.EXPERT: "GPTConfig.num_experts"}
 
 
 _NO_DATA_DIR = "DATA_DIR is not set: training and evaluation read a prepared dataset (python -m t5x_like.preprocess)"
@@ -86,7 +75,7 @@ def validate_layout(config: TrainConfig, mesh, model_config: model_lib.GPTConfig
                           num_microbatches=config.num_microbatches, seq_len=config.seq_len)
 
 
-class Experiment:
+class Experiment(frozen_models.FrozenModels):
   """A run's mesh, model, objective, optimizer and shardings, built once."""
 
   def __init__(self, config: TrainConfig, model_config: model_lib.GPTConfig,
@@ -111,7 +100,10 @@ class Experiment:
     self.rules = tuple(config.axis_rules or partitioning.DEFAULT_RULES)
     self.model = model_lib.GPT(self.model_config)
     # The objective over the model's parameters; under LoRA, `objective` wraps it to take adapters.
-    self.model_objective = self.make_objective()
+    choice = objective_choice.make_objective(config, self.manifest, self.model, self.model_config,
+                                             loss_scaled=self.initial_loss_scale() is not None)
+    self.model_objective = choice.objective
+    self.teacher_config, self.teacher_source = choice.teacher_config, choice.teacher_source  # distillation
     self.objective = self.model_objective
     self.lr_fn = optimizer_lib.learning_rate_schedule(optimizer_config, config.train_steps)
     self.tx = optimizer_lib.make_optimizer(optimizer_config, config.train_steps)
@@ -139,68 +131,6 @@ class Experiment:
     if config.offload_optimizer:
       self.state_shardings = offload.offload_shardings(self.state_shardings)
 
-  def make_objective(self):
-    """The loss over the model's parameters that ObjectiveConfig names: language modelling, preference
-    optimisation (DPO/IPO/SimPO) or a reward model (Bradley–Terry) over a preference DATA_DIR's rows of pairs,
-    GRPO, or distillation from a frozen teacher."""
-    config, manifest = self.config, self.manifest
-    if config.objective.name == "language_model":
-      if manifest is not None and manifest.get("format") == "preference":
-        raise ValueError(f"DATA_DIR '{config.data_dir}' holds preference pairs: language modelling would learn the "
-                         "rejected answers too; train it with configs/runs/dpo.gin (ObjectiveConfig.name='preference')")
-      return language_model.LanguageModel(
-          apply_fn=self.model.apply, loss_chunk=config.loss_chunk,
-          logits_fn=lambda params, hidden: model_lib.project_logits(params, hidden, self.model_config))
-    if config.objective.name == "grpo":
-      return self.make_grpo_objective()
-    if config.objective.name == "distill":
-      return self.make_distill_objective()
-    name = f"ObjectiveConfig.name={config.objective.name!r}"  # 'preference' or 'reward': both read rows of pairs
-    if manifest is not None and manifest.get("format") != "preference":
-      raise ValueError(f"{name} reads a preference DATA_DIR (python -m t5x_like.preprocess "
-                       f"--format=preference): DATA_DIR '{config.data_dir}' has format "
-                       f"{manifest.get('format', 'text')!r}")
-    if config.curriculum.enabled():
-      raise ValueError(f"{name} with a sequence-length warmup (CurriculumConfig): cutting "
-                       "rows would split pairs; turn the warmup off")
-    if self.initial_loss_scale() is not None:
-      raise ValueError(f"{name} with dynamic loss scaling (float16): not supported, the "
-                       "scaled step normalises by tokens, not pairs; use bfloat16 or float32")
-    max_pairs = int((manifest or {}).get("max_pairs_per_row") or 1)
-    if config.objective.name == "reward":
-      if config.lora.rank:
-        raise ValueError("ObjectiveConfig.name='reward' with LoRA (LoraConfig.rank > 0): the new score head would not "
-                         "train; use full or selective fine-tuning")
-      return reward.Reward(self.model.apply,
-                           lambda params, hidden: model_lib.project_scores(params, hidden, self.model_config),
-                           max_pairs=max_pairs)
-    objective = config.objective
-    return preference.Preference(self.model.apply, loss_type=objective.loss_type, beta=objective.beta,
-                                 gamma=objective.gamma,
-                                 max_pairs=int((manifest or {}).get("max_pairs_per_row") or 1))
-
-  def make_grpo_objective(self):
-    """GRPO over rollouts of a chat DATA_DIR's prompts (training/rollout.py), checked before anything compiles."""
-    config, objective = self.config, self.config.objective
-    if self.manifest is not None and self.manifest.get("format") != "chat":
-      raise ValueError(f"ObjectiveConfig.name='grpo' samples answers to the prompts of a chat DATA_DIR (python -m "
-                       f"t5x_like.preprocess --format=chat): DATA_DIR '{config.data_dir}' has format "
-                       f"{self.manifest.get('format', 'text')!r}")
-    if objective.num_generations < 2:
-      raise ValueError(f"ObjectiveConfig.num_generations={objective.num_generations}: GRPO compares each sample with "
-                       "the others of its group, so a group needs at least 2 samples")
-    if config.batch_size % objective.num_generations:
-      raise ValueError(f"BATCH_SIZE={config.batch_size} is not a multiple of ObjectiveConfig.num_generations="
-                       f"{objective.num_generations} (BATCH_SIZE = prompts per step × samples per prompt)")
-    if objective.max_new_tokens < 1 or objective.max_new_tokens > config.seq_len:
-      raise ValueError(f"ObjectiveConfig.max_new_tokens={objective.max_new_tokens} must be in [1, SEQ_LEN="
-                       f"{config.seq_len}]")
-    if config.curriculum.enabled():
-      raise ValueError("ObjectiveConfig.name='grpo' with a sequence-length warmup (CurriculumConfig): rollout rows "
-                       "are not cut; turn the warmup off")
-    rewards.get(objective.reward)  # an unregistered name is an error now, not after the first rollout
-    return grpo.Grpo(self.model.apply, clip_epsilon=objective.clip_epsilon, beta=objective.beta)
-
   @property
   def is_grpo(self) -> bool:
     return isinstance(self.model_objective, grpo.Grpo)
@@ -209,95 +139,6 @@ class Experiment:
   def rollouts(self) -> rollout.Rollouts:
     """GRPO's prompts, sampler and rewards (built on first use: it reads the DATA_DIR's prompts)."""
     return rollout.Rollouts(self)
-
-  def make_distill_objective(self):
-    """Distillation from the teacher TEACHER_CHECKPOINT_PATH names: its model config is read from its MODEL_DIR
-    (model.gin or config.gin) and checked against this run's (the vocabulary) before anything compiles."""
-    config, path = self.config, self.config.objective.teacher_checkpoint
-    if not path:
-      raise ValueError("ObjectiveConfig.name='distill' needs a teacher: set TEACHER_CHECKPOINT_PATH "
-                       "(ObjectiveConfig.teacher_checkpoint) to its MODEL_DIR, checkpoints/<step> or converted checkpoint")
-    if self.manifest is not None and self.manifest.get("format") == "preference":
-      raise ValueError(f"DATA_DIR '{config.data_dir}' holds preference pairs: distillation would learn the rejected "
-                       "answers too; distil on text or chat data")
-    teacher_config, self.teacher_source = distill.saved_model_config(path, self.model_config)
-    self.teacher_config = dataclasses.replace(teacher_config, num_stages=self.model_config.num_stages)
-    distill.check_teacher_config(self.teacher_config, self.model_config, self.teacher_source)
-    teacher = model_lib.GPT(self.teacher_config)
-    return distill.Distill(
-        self.model.apply, lambda params, hidden: model_lib.project_logits(params, hidden, self.model_config),
-        teacher.apply, lambda params, hidden: model_lib.project_logits(params, hidden, self.teacher_config),
-        alpha=config.objective.distill_alpha, temperature=config.objective.distill_temperature,
-        loss_chunk=config.loss_chunk)
-
-  @property
-  def needs_teacher(self) -> bool:
-    """Whether the objective reads the frozen teacher (distillation)."""
-    return isinstance(self.model_objective, distill.Distill)
-
-  @functools.cached_property
-  def teacher_boxed_params(self):
-    """The teacher's abstract parameters, boxed with their logical axis names (nothing allocated)."""
-    with self.context():
-      return jax.eval_shape(lambda: model_lib.GPT(self.teacher_config).init(
-          jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))["params"]
-
-  @functools.cached_property
-  def teacher_shardings(self):
-    """NamedShardings of the teacher's parameters on this mesh (the same rules table as the model's)."""
-    return partitioning.shardings_from_boxed(self.teacher_boxed_params, self.mesh, self.rules)
-
-  def load_teacher(self, path: Optional[str] = None) -> str:
-    """Restores the frozen teacher `distill.TEACHER` from `path`, else ObjectiveConfig.teacher_checkpoint
-    (TEACHER_CHECKPOINT_PATH), after checking every parameter shape against the teacher's model config;
-    returns the checkpoints/<step> read."""
-    path = path or self.config.objective.teacher_checkpoint
-    what = f"teacher model (TEACHER_CHECKPOINT_PATH, model config {self.teacher_source})"
-    pinned = self.check_checkpoint_shapes(path, what, boxed=self.teacher_boxed_params)
-    if self.teacher != pinned:
-      self.add_frozen(distill.TEACHER, pinned, self.teacher_config)
-      self.teacher = pinned
-    return pinned
-
-  def missing_score_head(self, path: str) -> bool:
-    """Whether the checkpoint at `path` lacks the score head this model has: a reward model warm-started from an
-    SFT or pre-trained model, whose head then starts fresh (zeros)."""
-    if not self.model_config.score_head:
-      return False
-    return model_lib.SCORE_HEAD not in checkpointing.state_tree_metadata(
-        str(checkpointing.resolve_checkpoint(path)[1])).get("params", {})
-
-  def warm_start(self, path: str, abstract, with_optimizer: bool):
-    """A fresh TrainState with the parameters (and optionally optimizer state) of checkpoint `path`; a score
-    head the checkpoint lacks keeps its fresh value."""
-    state = self.init_state()
-    if not self.missing_score_head(path):
-      return fault_tolerance.warm_start(state, path, abstract, with_optimizer)
-    if with_optimizer:
-      raise ValueError(f"CheckpointConfig.warm_start_optimizer=True with {path}, which has no score head: its "
-                       "optimizer state does not fit a reward model; set it False")
-    body = {k: v for k, v in abstract.params.items() if k != model_lib.SCORE_HEAD}
-    _, params = checkpointing.restore_params(path, abstract_params=body)
-    return state.replace(params={**params, model_lib.SCORE_HEAD: state.params[model_lib.SCORE_HEAD]})
-
-  @property
-  def needs_reference(self) -> bool:
-    """Whether the objective reads the frozen reference model (DPO, IPO; not SimPO or language modelling)."""
-    return bool(getattr(self.model_objective, "needs_reference", False))
-
-  def load_reference(self, path: Optional[str] = None) -> str:
-    """Restores the frozen reference model `preference.REFERENCE` from `path`, else ObjectiveConfig.
-    reference_checkpoint (REFERENCE_CHECKPOINT_PATH), else CheckpointConfig.warm_start_from
-    (INITIAL_CHECKPOINT_PATH), after checking every parameter shape; returns the checkpoints/<step> read."""
-    path = path or self.config.objective.reference_checkpoint or self.config.checkpoint.warm_start_from
-    if not path:
-      raise ValueError(f"the {self.model_objective.loss_type} loss needs a reference model: set "
-                       "REFERENCE_CHECKPOINT_PATH (ObjectiveConfig.reference_checkpoint) or INITIAL_CHECKPOINT_PATH")
-    pinned = self.check_checkpoint_shapes(path, "reference model (REFERENCE_CHECKPOINT_PATH)")
-    if self.reference != pinned:
-      self.add_frozen(preference.REFERENCE, pinned)
-      self.reference = pinned
-    return pinned
 
   @functools.cached_property
   def boxed_params(self):
@@ -313,30 +154,6 @@ class Experiment:
   def abstract_model_params(self):
     """The model's parameters as ShapeDtypeStructs with this run's shardings (a restore target)."""
     return checkpointing.abstract_with_shardings(partitioning.unbox(self.boxed_params), self.model_shardings)
-
-  def check_checkpoint_shapes(self, path: str, what: str = "initial checkpoint", boxed=None) -> str:
-    """Checks every parameter shape of the checkpoint at `path` (a MODEL_DIR or checkpoints/<step>)
-    against this model config, before anything restores; returns the checkpoints/<step> checked.
-
-    Raises:
-      ValueError: one line naming the parameter path, both shapes and the GPTConfig field.
-    """
-    boxed = self.boxed_params if boxed is None else boxed  # `boxed`: another model's (a teacher's)
-    if boxed is self.boxed_params and self.missing_score_head(path):  # a reward model's head starts fresh
-      boxed = {k: v for k, v in boxed.items() if k != model_lib.SCORE_HEAD}
-    flat = flax.traverse_util.flatten_dict(boxed)
-    names = {lora_lib.path_name(p): tuple(AXIS_FIELDS.get(n, "") for n in leaf.names)
-             for p, leaf in flat.items() if isinstance(leaf, nn.LogicallyPartitioned)}
-    return checkpointing.check_param_shapes(path, partitioning.unbox(boxed), names, what)
-
-  def load_lora_base(self, path: str) -> str:
-    """Restores the LoRA base model (a MODEL_DIR, checkpoints/<step> or converted checkpoint) as the frozen
-    model `lora.BASE`, after checking its shapes; returns the checkpoints/<step> directory it read."""
-    pinned = self.check_checkpoint_shapes(path, "LoRA base checkpoint")
-    if pinned != self.lora_base:
-      _, params = checkpointing.restore_params(pinned, abstract_params=self.abstract_model_params())
-      self.frozen[lora_lib.BASE], self.lora_base = params, pinned
-    return pinned
 
   def startup_report(self) -> dict:
     """What trains and what it costs: parameter counts and bytes per device of the parameters that
@@ -383,28 +200,6 @@ class Experiment:
   def abstract_with_shardings(self):
     """The TrainState's ShapeDtypeStructs carrying this run's shardings (restore/reshard target)."""
     return checkpointing.abstract_with_shardings(self.abstract_state, self.state_shardings)
-
-  def add_frozen(self, name: str, path: str, model_config: Optional[model_lib.GPTConfig] = None):
-    """Restores a frozen model (a reference or a teacher: parameters only, no optimizer state) from a
-    MODEL_DIR or a `checkpoints/<step>` directory onto this mesh, laid out by the same rules table.
-
-    `model_config` (default: this run's model) may differ, e.g. a larger teacher; its vocabulary must
-    equal this run's. The parameters reach the objective as `frozen[name]`.
-    """
-    cfg = model_config or self.model_config
-    if cfg.vocab_size and cfg.vocab_size != self.model_config.vocab_size:
-      raise ValueError(f"frozen model {name!r} at {path}: vocab_size={cfg.vocab_size} differs from this "
-                       f"run's {self.model_config.vocab_size} (the same tokenizer is required)")
-    cfg = dataclasses.replace(cfg, vocab_size=self.model_config.vocab_size, num_stages=self.model_config.num_stages)
-    if model_config is None:
-      self.check_checkpoint_shapes(path, f"frozen model {name!r}")
-    with self.context():
-      boxed = jax.eval_shape(lambda: model_lib.GPT(cfg).init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))
-      shardings = partitioning.shardings_from_boxed(boxed["params"], self.mesh, self.rules)
-      abstract = checkpointing.abstract_with_shardings(partitioning.unbox(boxed["params"]), shardings)
-      _, params = checkpointing.restore_newest_params(path, abstract)
-    self.frozen[name], self.frozen_shardings[name] = params, shardings
-    return params
 
   def dataset(self, split: str, *, shuffle: bool, repeat: bool):
     """This process's rows of every global batch (see global_batch.process_rows)."""

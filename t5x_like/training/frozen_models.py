@@ -1,0 +1,149 @@
+"""The frozen models a run restores beside its own state, each on the run's mesh by the same rules table and with
+every parameter shape checked first: a DPO/GRPO reference, a distillation teacher (its own model config), a LoRA
+base; and the warm start of a reward model from a checkpoint without its score head.
+
+`FrozenModels` is a part of `Experiment` (training/experiment.py): it reads the run's config, mesh, rules, model
+config and boxed parameters from it.
+"""
+
+import dataclasses
+import functools
+from typing import Optional
+
+import flax
+import flax.linen as nn
+import jax
+
+from t5x_like.model import decoder as model_lib
+from t5x_like.parallel import axis_names as ax
+from t5x_like.parallel import partitioning
+from t5x_like.training import checkpointing
+from t5x_like.training import fault_tolerance
+from t5x_like.training import lora as lora_lib
+from t5x_like.training.objectives import distill
+from t5x_like.training.objectives import preference
+
+# The model config field each logical parameter axis comes from (named in shape-mismatch errors).
+AXIS_FIELDS = {ax.VOCAB: "GPTConfig.vocab_size", ax.EMBED: "GPTConfig.d_model", ax.MLP: "GPTConfig.d_ff",
+               ax.HEADS: "GPTConfig.num_heads", ax.KV_HEADS: "GPTConfig.num_kv_heads",
+               ax.KV: "GPTConfig.d_model / num_heads (head_dim)", ax.LAYERS: "GPTConfig.num_layers",
+               ax.POSITION: "GPTConfig.max_len", ax.NORM: "GPTConfig.d_model", ax.EXPERT: "GPTConfig.num_experts"}
+
+
+class FrozenModels:
+  """Restoring frozen models (parameters only, no optimizer state) into an Experiment's `frozen` dict."""
+
+  @property
+  def needs_teacher(self) -> bool:
+    """Whether the objective reads the frozen teacher (distillation)."""
+    return isinstance(self.model_objective, distill.Distill)
+
+  @functools.cached_property
+  def teacher_boxed_params(self):
+    """The teacher's abstract parameters, boxed with their logical axis names (nothing allocated)."""
+    with self.context():
+      return jax.eval_shape(lambda: model_lib.GPT(self.teacher_config).init(
+          jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))["params"]
+
+  @functools.cached_property
+  def teacher_shardings(self):
+    """NamedShardings of the teacher's parameters on this mesh (the same rules table as the model's)."""
+    return partitioning.shardings_from_boxed(self.teacher_boxed_params, self.mesh, self.rules)
+
+  def load_teacher(self, path: Optional[str] = None) -> str:
+    """Restores the frozen teacher `distill.TEACHER` from `path`, else ObjectiveConfig.teacher_checkpoint
+    (TEACHER_CHECKPOINT_PATH), after checking every parameter shape against the teacher's model config;
+    returns the checkpoints/<step> read."""
+    path = path or self.config.objective.teacher_checkpoint
+    what = f"teacher model (TEACHER_CHECKPOINT_PATH, model config {self.teacher_source})"
+    pinned = self.check_checkpoint_shapes(path, what, boxed=self.teacher_boxed_params)
+    if self.teacher != pinned:
+      self.add_frozen(distill.TEACHER, pinned, self.teacher_config)
+      self.teacher = pinned
+    return pinned
+
+  def missing_score_head(self, path: str) -> bool:
+    """Whether the checkpoint at `path` lacks the score head this model has: a reward model warm-started from an
+    SFT or pre-trained model, whose head then starts fresh (zeros)."""
+    if not self.model_config.score_head:
+      return False
+    return model_lib.SCORE_HEAD not in checkpointing.state_tree_metadata(
+        str(checkpointing.resolve_checkpoint(path)[1])).get("params", {})
+
+  def warm_start(self, path: str, abstract, with_optimizer: bool):
+    """A fresh TrainState with the parameters (and optionally optimizer state) of checkpoint `path`; a score
+    head the checkpoint lacks keeps its fresh value."""
+    state = self.init_state()
+    if not self.missing_score_head(path):
+      return fault_tolerance.warm_start(state, path, abstract, with_optimizer)
+    if with_optimizer:
+      raise ValueError(f"CheckpointConfig.warm_start_optimizer=True with {path}, which has no score head: its "
+                       "optimizer state does not fit a reward model; set it False")
+    body = {k: v for k, v in abstract.params.items() if k != model_lib.SCORE_HEAD}
+    _, params = checkpointing.restore_params(path, abstract_params=body)
+    return state.replace(params={**params, model_lib.SCORE_HEAD: state.params[model_lib.SCORE_HEAD]})
+
+  @property
+  def needs_reference(self) -> bool:
+    """Whether the objective reads the frozen reference model (DPO, IPO; not SimPO or language modelling)."""
+    return bool(getattr(self.model_objective, "needs_reference", False))
+
+  def load_reference(self, path: Optional[str] = None) -> str:
+    """Restores the frozen reference model `preference.REFERENCE` from `path`, else ObjectiveConfig.
+    reference_checkpoint (REFERENCE_CHECKPOINT_PATH), else CheckpointConfig.warm_start_from
+    (INITIAL_CHECKPOINT_PATH), after checking every parameter shape; returns the checkpoints/<step> read."""
+    path = path or self.config.objective.reference_checkpoint or self.config.checkpoint.warm_start_from
+    if not path:
+      raise ValueError(f"the {self.model_objective.loss_type} loss needs a reference model: set "
+                       "REFERENCE_CHECKPOINT_PATH (ObjectiveConfig.reference_checkpoint) or INITIAL_CHECKPOINT_PATH")
+    pinned = self.check_checkpoint_shapes(path, "reference model (REFERENCE_CHECKPOINT_PATH)")
+    if self.reference != pinned:
+      self.add_frozen(preference.REFERENCE, pinned)
+      self.reference = pinned
+    return pinned
+
+  def check_checkpoint_shapes(self, path: str, what: str = "initial checkpoint", boxed=None) -> str:
+    """Checks every parameter shape of the checkpoint at `path` (a MODEL_DIR or checkpoints/<step>)
+    against this model config, before anything restores; returns the checkpoints/<step> checked.
+
+    Raises:
+      ValueError: one line naming the parameter path, both shapes and the GPTConfig field.
+    """
+    boxed = self.boxed_params if boxed is None else boxed  # `boxed`: another model's (a teacher's)
+    if boxed is self.boxed_params and self.missing_score_head(path):  # a reward model's head starts fresh
+      boxed = {k: v for k, v in boxed.items() if k != model_lib.SCORE_HEAD}
+    flat = flax.traverse_util.flatten_dict(boxed)
+    names = {lora_lib.path_name(p): tuple(AXIS_FIELDS.get(n, "") for n in leaf.names)
+             for p, leaf in flat.items() if isinstance(leaf, nn.LogicallyPartitioned)}
+    return checkpointing.check_param_shapes(path, partitioning.unbox(boxed), names, what)
+
+  def load_lora_base(self, path: str) -> str:
+    """Restores the LoRA base model (a MODEL_DIR, checkpoints/<step> or converted checkpoint) as the frozen
+    model `lora.BASE`, after checking its shapes; returns the checkpoints/<step> directory it read."""
+    pinned = self.check_checkpoint_shapes(path, "LoRA base checkpoint")
+    if pinned != self.lora_base:
+      _, params = checkpointing.restore_params(pinned, abstract_params=self.abstract_model_params())
+      self.frozen[lora_lib.BASE], self.lora_base = params, pinned
+    return pinned
+
+  def add_frozen(self, name: str, path: str, model_config: Optional[model_lib.GPTConfig] = None):
+    """Restores a frozen model (a reference or a teacher: parameters only, no optimizer state) from a
+    MODEL_DIR or a `checkpoints/<step>` directory onto this mesh, laid out by the same rules table.
+
+    `model_config` (default: this run's model) may differ, e.g. a larger teacher; its vocabulary must
+    equal this run's. The parameters reach the objective as `frozen[name]`.
+    """
+    cfg = model_config or self.model_config
+    if cfg.vocab_size and cfg.vocab_size != self.model_config.vocab_size:
+      raise ValueError(f"frozen model {name!r} at {path}: vocab_size={cfg.vocab_size} differs from this "
+                       f"run's {self.model_config.vocab_size} (the same tokenizer is required)")
+    cfg = dataclasses.replace(cfg, vocab_size=self.model_config.vocab_size, num_stages=self.model_config.num_stages)
+    if model_config is None:
+      self.check_checkpoint_shapes(path, f"frozen model {name!r}")
+    with self.context():
+      boxed = jax.eval_shape(lambda: model_lib.GPT(cfg).init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))
+      shardings = partitioning.shardings_from_boxed(boxed["params"], self.mesh, self.rules)
+      abstract = checkpointing.abstract_with_shardings(partitioning.unbox(boxed["params"]), shardings)
+      _, params = checkpointing.restore_newest_params(path, abstract)
+    self.frozen[name], self.frozen_shardings[name] = params, shardings
+    return params
