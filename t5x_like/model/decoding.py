@@ -10,9 +10,10 @@ import numpy as np
 from t5x_like.model import decoder as model_lib
 
 
-def left_pad(prompts: list, pad_id: int = 0) -> tuple:
-  """Token lists → (tokens (B, P) left-padded, segment_ids (B, P): 1 on prompt tokens, 0 on padding)."""
-  width = max(1, max(len(p) for p in prompts))
+def left_pad(prompts: list, pad_id: int = 0, width: int = 1) -> tuple:
+  """Token lists → (tokens (B, P) left-padded, segment_ids (B, P): 1 on prompt tokens, 0 on padding), with P the
+  longest prompt or `width` if wider (one shape for several batches: one compiled program)."""
+  width = max(width, max(len(p) for p in prompts))
   tokens = np.full((len(prompts), width), pad_id, np.int32)
   segments = np.zeros((len(prompts), width), np.int32)
   for row, prompt in enumerate(prompts):

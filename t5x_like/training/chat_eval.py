@@ -155,10 +155,7 @@ def generate(params, encoder: chat.ChatEncoder, prompts: Sequence[Sequence[int]]
     batch = list(prompts[start:start + batch_size])
     rows = len(batch)
     batch += [batch[0]] * (batch_size - rows)
-    tokens, segments = decoding.left_pad(batch, pad_id)
-    cols = width - tokens.shape[1]
-    tokens = np.pad(tokens, ((0, 0), (cols, 0)), constant_values=pad_id)  # (B, width)
-    segments = np.pad(segments, ((0, 0), (cols, 0)))
+    tokens, segments = decoding.left_pad(batch, pad_id, width)  # (B, width)
     out = decoding.generate(params, tokens, segments, jax.random.fold_in(jax.random.key(seed), b), config=config,
                             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             eos_id=end_id, pad_id=pad_id)
