@@ -80,7 +80,7 @@ def reward_model(completions, references, prompts, *, config, sequences, mesh):
   if not config.reward_checkpoint:
     raise ValueError("ObjectiveConfig.reward='reward_model' needs ObjectiveConfig.reward_checkpoint, a reward model's "
                      "MODEL_DIR (configs/runs/reward.gin)")
-  key = (config.reward_checkpoint, id(mesh))
+  key = (config.reward_checkpoint, mesh)
   if key not in _SCORERS:
     _SCORERS[key] = reward_scoring.RewardModelScorer(config.reward_checkpoint, mesh=mesh)
   return [float(x) for x in _SCORERS[key].score(sequences)]

@@ -30,7 +30,6 @@ from t5x_like.data import input_pipeline
 from t5x_like.model import decoding
 from t5x_like.training import chat_eval
 from t5x_like.training import rewards as rewards_lib
-from t5x_like.training.objectives import grpo
 
 ADVANTAGE_EPS = 1e-4
 
@@ -138,8 +137,7 @@ def rollout_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequenc
     segments[i, :min(n, seq_len)] = 1
   return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments,
           "positions": np.tile(np.arange(seq_len, dtype=np.int32), (rows, 1)), "weights": weights,
-          "advantages": np.repeat(advantages[:, None], seq_len, axis=1).astype(np.float32),
-          "old_logps": np.zeros((rows, seq_len), np.float32)}
+          "advantages": np.repeat(advantages[:, None], seq_len, axis=1).astype(np.float32)}
 
 
 class Rollouts:
@@ -163,18 +161,11 @@ class Rollouts:
                        f"{self.train.skipped}); raise SEQ_LEN or lower ObjectiveConfig.max_new_tokens")
     self.validation = read("validation") if "validation" in exp.manifest["splits"] else None
     self.width = max(len(p) for p in self.train.prompts + (self.validation.prompts if self.validation else []))
-    with exp.context():
-      self._logps = jax.jit(lambda params, batch: grpo.policy_logps(exp.model.apply, params, batch),
-                            in_shardings=(exp.state_shardings.params, {k: exp.batch_sharding for k in grpo.FEATURES}),
-                            out_shardings=exp.batch_sharding)
 
   def sample(self, params, prompts: Sequence[Sequence[int]], rng, *, temperature: float, top_k: int) -> list:
     """Completion token lists of each prompt (left-padded to the widest prompt of the run: one compile)."""
     pad_id = self.encoder.tokenizer.pad_id
-    tokens, segments = decoding.left_pad(list(prompts), pad_id)
-    cols = self.width - tokens.shape[1]
-    tokens = np.pad(tokens, ((0, 0), (cols, 0)), constant_values=pad_id)
-    segments = np.pad(segments, ((0, 0), (cols, 0)))
+    tokens, segments = decoding.left_pad(list(prompts), pad_id, self.width)
     with self.exp.context():
       out = decoding.generate(params, tokens, segments, rng, config=self.exp.model_config,
                               max_new_tokens=self.objective_config.max_new_tokens, temperature=temperature,
@@ -211,9 +202,7 @@ class Rollouts:
     values = self.score(self.train, indices, completions)
     advantages = group_advantages(values, self.group)
     rows = rollout_rows(prompts, completions, advantages, config.seq_len, self.encoder.tokenizer.pad_id)
-    batch = self.exp.global_batch(self._process_rows(rows))
-    with self.exp.context():
-      batch["old_logps"] = self._logps(params, batch)
+    batch = self.exp.global_batch(self._process_rows(rows))  # on-policy: no old log-probs (objectives/grpo.py)
     grouped = values.reshape(-1, self.group)
     metrics = {"reward_mean": float(values.mean()), "reward_std": float(values.std()),
                "reward_group_std": float(grouped.std(axis=1).mean()),

@@ -3,7 +3,8 @@ advantages and a KL penalty to a frozen reference (training/rollout.py makes the
 
 A rollout row is one prompt followed by one sampled completion; `weights` is 1 on the completion's tokens (its
 end marker included), `advantages` holds the row's advantage A = (r − mean of its group) / (std of its group + ε)
-on every position, and `old_logps` the log-probability each target token had under the policy that sampled it.
+on every position, and `old_logps` the log-probability each target token had under the policy that sampled it
+(on-policy — one update per rollout batch, as the trainer runs it — that is log π itself, held constant).
 Per completion token t, with ρ = π(t)/π_old(t) and δ = log π_ref(t) − log π(t):
 
   loss_t = −min(ρ·A, clip(ρ, 1 − ε, 1 + ε)·A) + β·(exp(δ) − δ − 1)
@@ -25,6 +26,7 @@ from t5x_like.training.objectives import preference
 
 REFERENCE = preference.REFERENCE  # the frozen reference model's key in `frozen`, as for DPO
 FEATURES = language_model.FEATURES + ("advantages", "old_logps")
+ON_POLICY_FEATURES = language_model.FEATURES + ("advantages",)
 
 
 def policy_logps(apply_fn: Callable, params, batch) -> jax.Array:
@@ -56,14 +58,19 @@ class Grpo:
     apply_fn: the decoder's `apply` ({'params': p}, tokens, positions, segment_ids) → (B, L, V) logits.
     clip_epsilon: ε of the clipped ratio.
     beta: β, the KL coefficient; 0 = no reference model.
+    on_policy: one update per rollout batch, from the parameters that sampled it (training/rollout.py): the ratio
+      is 1 and its gradient ∇log π, so the batch needs no `old_logps` (a forward pass saved per step).
   """
   apply_fn: Callable
   clip_epsilon: float = 0.2
   beta: float = 0.04
+  on_policy: bool = False  # the batch was sampled from these parameters: π_old = stop_gradient(π), no `old_logps`
   loss_type: str = "grpo"  # named in the reference-loading errors shared with DPO
   features: tuple = FEATURES
 
   def __post_init__(self):
+    if self.on_policy:
+      object.__setattr__(self, "features", ON_POLICY_FEATURES)
     if not 0 < self.clip_epsilon < 1:
       raise ValueError(f"ObjectiveConfig.clip_epsilon must be in (0, 1), got {self.clip_epsilon}")
     if self.beta < 0:
@@ -82,7 +89,8 @@ class Grpo:
                          "(REFERENCE_CHECKPOINT_PATH)")
       ref = jax.lax.stop_gradient(policy_logps(self.apply_fn, frozen[REFERENCE], batch))
     weights = batch["weights"].astype(jnp.float32)
-    losses, kl, clipped = token_losses(logps, batch["old_logps"].astype(jnp.float32), ref,
+    old = jax.lax.stop_gradient(logps) if self.on_policy else batch["old_logps"].astype(jnp.float32)
+    losses, kl, clipped = token_losses(logps, old, ref,
                                        batch["advantages"].astype(jnp.float32), self.clip_epsilon, self.beta)
     total = lambda x: jnp.sum(x * weights)
     return total(losses), jnp.sum(weights), {"kl": total(kl), "clip_fraction": total(clipped),
