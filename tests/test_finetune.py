@@ -170,7 +170,34 @@ def test_regex_matching_nothing_is_a_one_line_error(corpus, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------
-# A generated task the base cannot do and the fine-tuned model can.
+# A generated task the base cannot do and the fine-tuned model can (its data, model and SFT run shared with
+# tests/test_grpo.py, which starts GRPO from such an SFT model).
+
+CHAT_MODEL = model_lib.GPTConfig(num_layers=2, num_heads=2, d_model=32, d_ff=64, max_len=32, dtype="float32",
+                                 tie_embeddings=False, position_embedding="rope", norm="rmsnorm",
+                                 mlp_activation="swiglu", use_bias=False)
+
+
+def reverse_chat_data(root, num_train: int, num_test: int, validation_fraction: float):
+  """(chat DATA_DIR, train file, test file) of "reverse two words" with a small tokenizer of its words."""
+  texts = [" ".join(chat_synth.WORDS) + "\nreverse: value of\n"] * 20
+  tok = tokenizer_lib.train_tokenizer(texts, os.path.join(str(root), "tok.model"), vocab_size=360, num_threads=1)
+  train_file, test_file = chat_synth.write_synthetic_chat(os.path.join(str(root), "task"), "reverse", num_train,
+                                                         num_test, min_words=2, max_words=2)
+  data_dir = os.path.join(str(root), "data")
+  preprocessing.preprocess([train_file], data_dir, tokenizer=tok.path, data_format="chat", num_train_shards=1,
+                           validation_fraction=validation_fraction, progress=False, cache_dir=None)
+  return data_dir, train_file, test_file
+
+
+def chat_sft_run(model_dir: str, data_dir: str, base_dir: str, steps: int):
+  """(TrainConfig, OptimizerConfig) of SFT from INITIAL_CHECKPOINT_PATH=base_dir on CHAT_MODEL."""
+  run = config_lib.TrainConfig(
+      model_dir=model_dir, data_dir=data_dir, train_steps=steps, batch_size=16, seq_len=32, log_every=50,
+      eval_every=0, checkpoint_every=steps, mesh_shape={"data": -1},
+      data=config_lib.DataConfig(eval_batches=0, shuffle_buffer=256),
+      checkpoint=config_lib.CheckpointConfig(async_save=False, warm_start_from=base_dir, warm_start_required=True))
+  return run, optimizer_lib.OptimizerConfig(learning_rate=1e-2, warmup_steps=10, decay="constant")
 
 
 @pytest.mark.slow  # 150 fine-tuning steps and two generations (≈ 25 s)
@@ -178,23 +205,10 @@ def test_fine_tuning_teaches_a_generated_chat_task_the_base_cannot_do(tmp_path):
   """Reverse two words, asked in a chat (t5x_like/data/chat_synth.py): the base answers none of 40 held-out
   conversations; fine-tuned from it (INITIAL_CHECKPOINT_PATH) on 600 others, loss on the answers only, it
   answers most exactly. (bench/finetune_task.py measures full / LoRA / attention-only from a pre-trained base.)"""
-  texts = [" ".join(chat_synth.WORDS) + "\nreverse: value of\n"] * 20
-  tok = tokenizer_lib.train_tokenizer(texts, str(tmp_path / "tok.model"), vocab_size=360, num_threads=1)
-  train_file, test_file = chat_synth.write_synthetic_chat(str(tmp_path / "task"), "reverse", 600, 40,
-                                                         min_words=2, max_words=2)
-  data_dir = str(tmp_path / "data")
-  preprocessing.preprocess([train_file], data_dir, tokenizer=tok.path, data_format="chat", num_train_shards=1,
-                           validation_fraction=0.0, progress=False, cache_dir=None)
-  config = model_lib.GPTConfig(num_layers=2, num_heads=2, d_model=32, d_ff=64, max_len=32, dtype="float32",
-                               tie_embeddings=False, position_embedding="rope", norm="rmsnorm",
-                               mlp_activation="swiglu", use_bias=False)
+  data_dir, train_file, test_file = reverse_chat_data(tmp_path, 600, 40, validation_fraction=0.0)
+  config = CHAT_MODEL
   steps, base_dir, model_dir = 150, str(tmp_path / "base"), str(tmp_path / "sft")
-  run = config_lib.TrainConfig(
-      model_dir=model_dir, data_dir=data_dir, train_steps=steps, batch_size=16, seq_len=32, log_every=50,
-      eval_every=0, checkpoint_every=steps, mesh_shape={"data": -1},
-      data=config_lib.DataConfig(eval_batches=0, shuffle_buffer=256),
-      checkpoint=config_lib.CheckpointConfig(async_save=False, warm_start_from=base_dir, warm_start_required=True))
-  opt = optimizer_lib.OptimizerConfig(learning_rate=1e-2, warmup_steps=10, decay="constant")
+  run, opt = chat_sft_run(model_dir, data_dir, base_dir, steps)
   exp = experiment_lib.Experiment(run, config, opt)
   checkpointing.save_params(base_dir, model_params(exp, seed=0))
   lines = chat_eval.read_chat_lines(test_file, require_reference=True)

@@ -13,12 +13,9 @@ import optax
 import pytest
 
 from tests import conftest
-from tests.test_finetune import model_params
+from tests.test_finetune import CHAT_MODEL, chat_sft_run, model_params, reverse_chat_data
 
 from t5x_like.data import chat
-from t5x_like.data import chat_synth
-from t5x_like.data import preprocessing
-from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.model import decoder as model_lib
 from t5x_like.training import chat_eval
 from t5x_like.training import checkpointing
@@ -125,9 +122,7 @@ def test_built_in_rewards_and_an_unregistered_name():
 # On a generated task: prompts from a chat DATA_DIR, a bad configuration named by key, the held-out reward raised
 # above the SFT model's, and a resumed run repeating the same rollouts.
 
-MODEL = model_lib.GPTConfig(num_layers=2, num_heads=2, d_model=32, d_ff=64, max_len=32, dtype="float32",
-                            tie_embeddings=False, position_embedding="rope", norm="rmsnorm", mlp_activation="swiglu",
-                            use_bias=False)
+MODEL = CHAT_MODEL
 SFT_STEPS, GRPO_STEPS, GROUP = 100, 40, 8
 
 
@@ -147,13 +142,7 @@ GRPO_OPT = optimizer_lib.OptimizerConfig(learning_rate=3e-3, warmup_steps=10, de
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory):
   """(chat DATA_DIR of 'reverse two words' with a held-out split, the JSON-lines file it was made from)."""
-  root = tmp_path_factory.mktemp("grpo_data")
-  texts = [" ".join(chat_synth.WORDS) + "\nreverse: value of\n"] * 20
-  tok = tokenizer_lib.train_tokenizer(texts, str(root / "tok.model"), vocab_size=360, num_threads=1)
-  train_file, _ = chat_synth.write_synthetic_chat(str(root / "task"), "reverse", 640, 1, min_words=2, max_words=2)
-  data_dir = str(root / "data")
-  preprocessing.preprocess([train_file], data_dir, tokenizer=tok.path, data_format="chat", num_train_shards=1,
-                           validation_fraction=0.1, progress=False, cache_dir=None)
+  data_dir, train_file, _ = reverse_chat_data(tmp_path_factory.mktemp("grpo_data"), 640, 1, validation_fraction=0.1)
   return data_dir, train_file
 
 
@@ -164,12 +153,7 @@ def sft(chat_data, tmp_path_factory):
   data_dir, train_file = chat_data
   root = tmp_path_factory.mktemp("grpo")
   base_dir, sft_dir = str(root / "base"), str(root / "sft")
-  run = config_lib.TrainConfig(
-      model_dir=sft_dir, data_dir=data_dir, train_steps=SFT_STEPS, batch_size=16, seq_len=32, log_every=50,
-      eval_every=0, checkpoint_every=SFT_STEPS, mesh_shape={"data": -1},
-      data=config_lib.DataConfig(eval_batches=0, shuffle_buffer=256),
-      checkpoint=config_lib.CheckpointConfig(async_save=False, warm_start_from=base_dir, warm_start_required=True))
-  opt = optimizer_lib.OptimizerConfig(learning_rate=1e-2, warmup_steps=10, decay="constant")
+  run, opt = chat_sft_run(sft_dir, data_dir, base_dir, SFT_STEPS)
   checkpointing.save_params(base_dir, model_params(experiment_lib.Experiment(run, MODEL, opt), seed=0))
   trainer.train(run, MODEL, opt)
   return data_dir, train_file, sft_dir
