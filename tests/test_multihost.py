@@ -114,3 +114,24 @@ def test_two_processes_match_one_survive_a_dead_peer_and_checkpoints_cross_over(
   assert sorted(reference) == list(range(1, saved + 5))
   for step in reference:
     assert got[step] == pytest.approx(reference[step], rel=2e-5), (step, got, reference)
+
+
+def test_an_error_inside_orbax_waits_for_the_peers_verdict_and_a_config_error_does_not():
+  """A peer killed while the processes save a checkpoint together surfaces in the survivor as a ValueError
+  raised inside orbax (its part of the metadata is missing), not as a failed collective: the exit hook must
+  still ask the coordination service which process died. A plain error of the user's does not wait."""
+  from t5x_like.parallel import distributed  # pylint: disable=g-import-not-at-top
+
+  def raised(filename):
+    namespace = {}
+    exec(compile("def save():\n  raise ValueError('No ArrayMetadata found for process_index=0')\n", filename,
+                 "exec"), namespace)
+    try:
+      namespace["save"]()
+    except ValueError as e:
+      return type(e), e.__traceback__
+
+  assert distributed.may_be_a_dead_peer(*raised(os.path.join("site-packages", "orbax", "checkpoint", "x.py")))
+  assert not distributed.may_be_a_dead_peer(*raised(os.path.join("t5x_like", "training", "config.py")))
+  import jax  # pylint: disable=g-import-not-at-top
+  assert distributed.may_be_a_dead_peer(jax.errors.JaxRuntimeError, None)

@@ -98,7 +98,7 @@ def _exit_hard_on_uncaught_exceptions() -> None:
   def hook(exc_type, exc, tb):
     traceback.print_exception(exc_type, exc, tb)
     reason = errors.first_line(exc, with_type=True)
-    missing = missing_processes(_HEARTBEAT_TIMEOUT[0]) if "JaxRuntimeError" in exc_type.__name__ else []
+    missing = missing_processes(_HEARTBEAT_TIMEOUT[0]) if may_be_a_dead_peer(exc_type, tb) else []
     if missing:
       reason = f"process(es) {missing} stopped responding ({reason})"
     print(f"error: process {jax.process_index()}: {reason}", file=sys.stderr, flush=True)
@@ -109,6 +109,16 @@ def _exit_hard_on_uncaught_exceptions() -> None:
 
 
 _HEARTBEAT_TIMEOUT = [100]
+
+
+def may_be_a_dead_peer(exc_type, tb) -> bool:
+  """Whether an uncaught exception can be the symptom of a peer process dying: a failed collective
+  (JaxRuntimeError), or an error raised inside orbax while processes save or restore a checkpoint together
+  (a peer killed mid-save leaves its part of the metadata missing, and orbax says so with a ValueError).
+  Only those wait for the coordination service's verdict; a bad config fails at once."""
+  if "JaxRuntimeError" in exc_type.__name__:
+    return True
+  return any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in traceback.extract_tb(tb))
 
 
 def live_processes() -> set:
