@@ -185,7 +185,7 @@ def run(main: Callable) -> None:
       if os.environ.get("T5X_LIKE_TRACEBACK"):
         raise
       logging.debug("%s", e, exc_info=True)
-      print(f"error: {errors.first_line(e)}", file=sys.stderr, flush=True)
+      print(f"error: {errors.exit_reason(e)}", file=sys.stderr, flush=True)
       if "jax" in sys.modules and sys.modules["jax"].distributed.is_initialized():
         os._exit(1)  # don't wait at the shutdown barrier for peers that may be stuck in a collective
       sys.exit(1)

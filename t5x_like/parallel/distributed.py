@@ -72,6 +72,7 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
   logging.info("process %d of %d; %d local / %d global devices", jax.process_index(), jax.process_count(),
                jax.local_device_count(), jax.device_count())
   _exit_hard_on_uncaught_exceptions()
+  errors.set_exit_reason(lambda e: f"process {jax.process_index()}: {explain(e)}")
   return True
 
 
@@ -97,11 +98,7 @@ def _exit_hard_on_uncaught_exceptions() -> None:
 
   def hook(exc_type, exc, tb):
     traceback.print_exception(exc_type, exc, tb)
-    reason = errors.first_line(exc, with_type=True)
-    missing = missing_processes(_HEARTBEAT_TIMEOUT[0]) if may_be_a_dead_peer(exc_type, tb) else []
-    if missing:
-      reason = f"process(es) {missing} stopped responding ({reason})"
-    print(f"error: process {jax.process_index()}: {reason}", file=sys.stderr, flush=True)
+    print(f"error: process {jax.process_index()}: {explain(exc, with_type=True)}", file=sys.stderr, flush=True)
     os._exit(1)
 
   sys.excepthook = hook
@@ -109,6 +106,18 @@ def _exit_hard_on_uncaught_exceptions() -> None:
 
 
 _HEARTBEAT_TIMEOUT = [100]
+
+
+def explain(exc: BaseException, with_type: bool = False) -> str:
+  """The one-line reason for an error that ends a process; in a multi-process run, an error that may be a peer's
+  death (may_be_a_dead_peer) waits up to the heartbeat timeout for the coordination service and names the
+  processes it no longer sees: "process(es) [1] stopped responding (<the error>)"."""
+  reason = errors.first_line(exc, with_type=with_type)
+  if jax.distributed.is_initialized() and may_be_a_dead_peer(type(exc), exc.__traceback__):
+    missing = missing_processes(_HEARTBEAT_TIMEOUT[0])
+    if missing:
+      return f"process(es) {missing} stopped responding ({reason})"
+  return reason
 
 
 def may_be_a_dead_peer(exc_type, tb) -> bool:
