@@ -2,7 +2,7 @@
 grouped-query attention, bias-free projections, untied head, padded vocabulary rows.
 
 Equality with Hugging Face's LlamaForCausalLM is checked in test_interop.py; here: the options train
-on every kind of mesh layout like one device (tolerances of test_parallelism.py), packed documents
+on an interleaved pipeline × data × tensor layout like one device (tolerances of test_parallelism.py), packed documents
 stay isolated under rotary positions, the KV cache (K heads only) gives the recompute's tokens,
 padding rows are never predicted, and parameter / FLOP counts match the published shapes.
 """
@@ -48,9 +48,10 @@ LLAMA_PARAM_ATOL = 5e-6
 
 
 @pytest.mark.slow  # fast subset: the developer loop; CI runs it
-@pytest.mark.parametrize("layout", ["data2_fsdp2_tensor2", "pipeline2_data2_tensor2_v2"])
-def test_llama_layout_trains_like_one_device(layout, llama_initial_state, llama_reference):
-  """Grouped-query heads split over `tensor` with their query groups; positions travel through the pipeline."""
+def test_llama_layout_trains_like_one_device(llama_initial_state, llama_reference):
+  """Grouped-query heads split over `tensor` with their query groups; positions travel through the interleaved
+  pipeline. One layout: the generic layouts are tests/test_parallelism.py's."""
+  layout = "pipeline2_data2_tensor2_v2"
   result = test_parallelism.train(llama_initial_state, **test_parallelism.LAYOUTS[layout], base=LLAMA)
   test_parallelism.assert_same_training(result, llama_reference, param_atol=LLAMA_PARAM_ATOL)
 
