@@ -61,7 +61,7 @@ def test_restart_continues_from_saved_step(dataset, tmp_path, monkeypatch):
   # (also runs the chunked loss through the trainer: loss_chunk=16 of SEQ_LEN=32)
   for steps in (4, 6):
     trainer.train(run_config(model_dir, dataset, train_steps=steps, log_every=1, checkpoint_every=2, eval_every=0,
-                             loss_chunk=16), TINY, OPT)
+                             loss_chunk=16, data=config_lib.DataConfig(eval_batches=1, shuffle_buffer=64)), TINY, OPT)
   steps = [json.loads(line)["step"] for line in open(os.path.join(model_dir, "metrics.jsonl"))
            if "loss" in json.loads(line)]
   assert steps == [1, 2, 3, 4, 5, 6]  # the second launch started at 5, not 1
