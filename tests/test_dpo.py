@@ -22,7 +22,6 @@ from t5x_like.data import preference as preference_data
 from t5x_like.data import preference_synth
 from t5x_like.data import preprocessing
 from t5x_like.model import decoder as model_lib
-from t5x_like.parallel import global_batch
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
@@ -330,26 +329,27 @@ def test_dpo_step_on_a_layout_equals_one_device(dpo_initial):
 # The generated task learnt: held-out pairwise accuracy from ≈50% to ≥90%, the chosen log-prob not collapsing.
 
 
-@pytest.mark.slow  # trains 20 DPO steps in-process (≈ 30 s on 2 loaded cores)
-def test_dpo_learns_the_generated_preference_on_held_out_pairs(prefs, tmp_path):
+@pytest.mark.slow  # a 20-DPO-step run and a copy of it resumed for its last two steps (≈ 40 s on 2 loaded cores)
+def test_dpo_learns_the_generated_preference_and_a_resumed_run_repeats_the_same_steps_bit_for_bit(prefs, tmp_path):
+  """20 DPO steps through trainer.train: held-out pairwise accuracy from chance to ≥ 90%, `evaluate` on the run's
+  checkpoint gives it again against the reference its metadata names; a copy of the run rewound to its step-18
+  checkpoint and resumed logs steps 19 and 20 with the same losses and metrics, bit for bit (data position,
+  optimizer state and the pinned reference restored)."""
   data_dir, _ = prefs
   base_dir = str(tmp_path / "base")
   checkpointing.save_params(base_dir, host_params(TINY, seed=0))
-  exp = experiment_lib.Experiment(run_config(tmp_path / "dpo", data_dir, base=base_dir), TINY, OPT)
+  steps = 20
+  config = run_config(tmp_path / "dpo", data_dir, base=base_dir, train_steps=steps, checkpoint_every=steps - 2)
+  exp = experiment_lib.Experiment(config, TINY, OPT)
   manager = checkpointing.make_manager(str(tmp_path / "dpo"), async_save=False)
-  train_iter = iter(exp.dataset("train", shuffle=True, repeat=True))
-  start, state, _, origin = trainer.initial_state(exp, manager, train_iter)
+  start, state, _, origin = trainer.initial_state(exp, manager, None)
+  manager.close()
   assert start == 0 and origin["reference_checkpoint"] == origin["initial_checkpoint"]  # the default reference
   report = exp.startup_report()  # the reference costs its parameters' bytes (data parallel: all of them per device)
   assert report["memory/frozen_reference_bytes_per_device"] == report["memory/params_bytes_per_device"] == 4 * sum(
       x.size for x in jax.tree.leaves(exp.frozen[preference.REFERENCE]))
-  eval_step = exp.jit_eval_step()
-  before = exp.evaluate(state.params, eval_step)
-  step = exp.jit_train_step()
-  with exp.context():
-    for _ in range(exp.config.train_steps):
-      state, metrics = step(state, exp.global_batch(global_batch.tf_to_numpy(next(train_iter))), exp.frozen)
-  after = exp.evaluate(state.params, eval_step)
+  before = exp.evaluate(state.params)
+  after = trainer.train(config, TINY, OPT)  # the same warm start, then 20 steps; evaluates at its last step
   print({k: (round(before[k], 3), round(after[k], 3)) for k in before})
   assert before["eval/rewards/accuracy"] == 0.5 and before["eval/loss"] == pytest.approx(np.log(2), rel=1e-6)
   # the base's own preference (its log-probs alone) is near chance, not the task's: 0.40 for this random base
@@ -358,31 +358,19 @@ def test_dpo_learns_the_generated_preference_on_held_out_pairs(prefs, tmp_path):
   assert after["eval/logps/chosen"] >= before["eval/logps/chosen"]  # the chosen answers became likelier
   assert after["eval/rewards/margin"] > 0.1
   # `evaluate` on the run's checkpoint: the same held-out accuracy, against the reference its metadata names
-  checkpointing.save(manager, exp.config.train_steps, state, None, {"step": exp.config.train_steps, **origin})
-  manager.wait_until_finished()
-  manager.close()
   fresh = experiment_lib.Experiment(run_config(tmp_path / "dpo", data_dir), TINY, OPT)
   result = fresh.evaluate_checkpoint()
   assert fresh.reference == origin["reference_checkpoint"]
   assert result["eval/rewards/accuracy"] == pytest.approx(after["eval/rewards/accuracy"], abs=1e-9)
-
-
-@pytest.mark.slow  # two trainer.train runs
-def test_dpo_run_resumed_from_a_checkpoint_repeats_the_same_steps_bit_for_bit(prefs, tmp_path):
-  """A DPO run of 4 steps, and a copy of it rewound to its step-2 checkpoint and resumed: steps 3 and 4 log the
-  same losses and metrics, bit for bit (data position, optimizer state and the pinned reference restored)."""
-  base_dir = str(tmp_path / "base")
-  checkpointing.save_params(base_dir, host_params(TINY, seed=1))
-  config = run_config(tmp_path / "run", prefs[0], base=base_dir, train_steps=4, checkpoint_every=2,
-                      data=config_lib.DataConfig(shuffle_buffer=64, eval_batches=1))
-  trainer.train(config, TINY, OPT)
-  rewound = conftest.rewind(tmp_path / "run", tmp_path / "resumed", 2)
-  trainer.train(dataclasses.replace(config, model_dir=rewound), TINY, OPT)
+  # rewound to step 18 and resumed: steps 19 and 20 repeat bit for bit
+  rewound = conftest.rewind(tmp_path / "dpo", tmp_path / "resumed", steps - 2)
+  trainer.train(dataclasses.replace(config, model_dir=rewound, data=config_lib.DataConfig(shuffle_buffer=64,
+                                                                                          eval_batches=1)), TINY, OPT)
   logged = lambda d: {r["step"]: r for r in map(json.loads, open(os.path.join(d, "metrics.jsonl"))) if "loss" in r}
-  first, second = logged(tmp_path / "run"), logged(rewound)
-  assert sorted(second) == [3, 4]
-  for step in (3, 4):
+  first, second = logged(tmp_path / "dpo"), logged(rewound)
+  assert sorted(second) == [steps - 1, steps]
+  for step in (steps - 1, steps):
     for key in ("loss", "grad_norm", "rewards/accuracy", "rewards/margin", "logps/chosen", "logps/rejected"):
       assert second[step][key] == first[step][key], (step, key)
-  meta = checkpointing.read_metadata(os.path.join(rewound, "checkpoints", "4"))
+  meta = checkpointing.read_metadata(os.path.join(rewound, "checkpoints", str(steps)))
   assert meta["reference_checkpoint"] == os.path.join(base_dir, "checkpoints", "0")
