@@ -242,15 +242,22 @@ def test_a_learned_reward_scores_each_prompt_and_completion_with_the_reward_mode
   rows = {k: np.asarray(v) for k, v in batch.items()}
   end = exp.rollouts.encoder.marker_ids["end"]
   model = model_lib.GPT(rm_config)
-  expected = []
+  sequences = []
   # greedy: the G samples of a prompt are one completion, so one row a group is checked (each group's first)
   group_rows = lambda x: x[::GROUP]
   for inputs, targets, weights in zip(*(group_rows(rows[k]) for k in ("inputs", "targets", "weights"))):
     last = int(np.flatnonzero(weights)[-1])  # the position predicting the completion's last token
     tokens = np.append(inputs[:last + 1], targets[last])  # prompt + completion
-    tokens = (tokens if targets[last] == end else np.append(tokens, end))[None]  # one cut by max_new_tokens: + end
-    hidden = model.apply({"params": rm_params}, tokens, np.arange(tokens.shape[1])[None], np.ones_like(tokens),
-                         return_hidden=True)
-    expected.append(float(model_lib.project_scores(rm_params, hidden, rm_config)[0, -1]))
+    sequences.append(tokens if targets[last] == end else np.append(tokens, end))  # one cut by max_new_tokens: + end
+  # each prompt + completion alone in its row, right-padded to the longest (one compiled forward pass): causal
+  # attention within the row's segment leaves every score at the sequence's own end marker unchanged
+  lengths = np.array([len(t) for t in sequences])
+  width = int(lengths.max())
+  tokens = np.stack([np.pad(t, (0, width - len(t))) for t in sequences]).astype(np.int32)
+  positions = np.broadcast_to(np.arange(width, dtype=np.int32), tokens.shape)
+  segments = (positions < lengths[:, None]).astype(np.int32)
+  scores = jax.jit(lambda p, t, pos, seg: model_lib.project_scores(
+      p, model.apply({"params": p}, t, pos, seg, return_hidden=True), rm_config))(rm_params, tokens, positions, segments)
+  expected = [float(x) for x in np.asarray(scores)[np.arange(len(sequences)), lengths - 1]]
   assert host["reward_mean"] == pytest.approx(np.mean(expected), rel=1e-5)  # groups are equal-sized
   assert np.std(expected) > 0  # a random reward model tells the completions apart
