@@ -1,5 +1,6 @@
-"""Fine-tuning: warm start from INITIAL_CHECKPOINT_PATH with shape checks, selective updates, and a generated
-chat task the base cannot do and the fine-tuned model can. LoRA: tests/test_lora.py (sharing this file's base)."""
+"""Fine-tuning: warm start from INITIAL_CHECKPOINT_PATH with shape checks, selective updates, and the data, model and
+SFT run of a generated chat task the base cannot do and the fine-tuned model can (the test is in tests/test_grpo.py,
+sharing its SFT run). LoRA: tests/test_lora.py (sharing this file's base)."""
 
 import dataclasses
 import os
@@ -8,7 +9,6 @@ import jax
 import numpy as np
 import pytest
 
-from t5x_like.data import chat
 from t5x_like.data import chat_synth
 from t5x_like.data import preprocessing
 from t5x_like.data import tokenizer as tokenizer_lib
@@ -16,7 +16,6 @@ from t5x_like.model import decoder as model_lib
 from t5x_like.parallel import global_batch
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
-from t5x_like.training import chat_eval
 from t5x_like.training import config as config_lib
 from t5x_like.training import experiment as experiment_lib
 from t5x_like.training import lora
@@ -170,8 +169,8 @@ def test_regex_matching_nothing_is_a_one_line_error(corpus, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------
-# A generated task the base cannot do and the fine-tuned model can (its data, model and SFT run shared with
-# tests/test_grpo.py, which starts GRPO from such an SFT model).
+# A generated task the base cannot do and the fine-tuned model can: its data, model and SFT run. The test that the
+# SFT model answers what the base cannot is in tests/test_grpo.py, which starts GRPO from that SFT run.
 
 CHAT_MODEL = model_lib.GPTConfig(num_layers=2, num_heads=2, d_model=32, d_ff=64, max_len=32, dtype="float32",
                                  tie_embeddings=False, position_embedding="rope", norm="rmsnorm",
@@ -198,29 +197,3 @@ def chat_sft_run(model_dir: str, data_dir: str, base_dir: str, steps: int):
       data=config_lib.DataConfig(eval_batches=0, shuffle_buffer=256),
       checkpoint=config_lib.CheckpointConfig(async_save=False, warm_start_from=base_dir, warm_start_required=True))
   return run, optimizer_lib.OptimizerConfig(learning_rate=1e-2, warmup_steps=10, decay="constant")
-
-
-@pytest.mark.slow  # 150 fine-tuning steps and two generations (≈ 25 s)
-def test_fine_tuning_teaches_a_generated_chat_task_the_base_cannot_do(tmp_path):
-  """Reverse two words, asked in a chat (t5x_like/data/chat_synth.py): the base answers none of 40 held-out
-  conversations; fine-tuned from it (INITIAL_CHECKPOINT_PATH) on 600 others, loss on the answers only, it
-  answers most exactly. (bench/finetune_task.py measures full / LoRA / attention-only from a pre-trained base.)"""
-  data_dir, train_file, test_file = reverse_chat_data(tmp_path, 600, 40, validation_fraction=0.0)
-  config = CHAT_MODEL
-  steps, base_dir, model_dir = 150, str(tmp_path / "base"), str(tmp_path / "sft")
-  run, opt = chat_sft_run(model_dir, data_dir, base_dir, steps)
-  exp = experiment_lib.Experiment(run, config, opt)
-  checkpointing.save_params(base_dir, model_params(exp, seed=0))
-  lines = chat_eval.read_chat_lines(test_file, require_reference=True)
-  encoder = chat_eval.encoder_for(exp, chat.ChatTemplate())
-
-  def exact_match(params) -> float:
-    with exp.context():
-      return chat_eval.evaluate(params, encoder, lines, objective=exp.model_objective, config=exp.model_config,
-                                batch_size=40, max_new_tokens=6)["generate/exact_match"]
-
-  assert exact_match(checkpointing.restore_params(base_dir)[1]) == 0.0
-  trainer.train(run, config, opt)
-  with exp.context():
-    step, tuned = exp.restore_params(None)
-  assert step == steps and exact_match(tuned) >= 0.5

@@ -141,26 +141,52 @@ GRPO_OPT = optimizer_lib.OptimizerConfig(learning_rate=3e-3, warmup_steps=10, de
 
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory):
-  """(chat DATA_DIR of 'reverse two words' with a held-out split, the JSON-lines file it was made from)."""
-  data_dir, train_file, _ = reverse_chat_data(tmp_path_factory.mktemp("grpo_data"), 640, 1, validation_fraction=0.1)
-  return data_dir, train_file
+  """(chat DATA_DIR of 'reverse two words' with a held-out split, the JSON-lines file it was made from, a file of 40
+  other conversations with their reference answers)."""
+  return reverse_chat_data(tmp_path_factory.mktemp("grpo_data"), 640, 40, validation_fraction=0.1)
 
 
 @pytest.fixture(scope="module")
 def sft(chat_data, tmp_path_factory):
-  """(chat DATA_DIR, its source file, an SFT MODEL_DIR): SFT_STEPS steps from a random model, which then answers
-  about 70% of the held-out prompts exactly (greedy) and half of its samples."""
-  data_dir, train_file = chat_data
+  """(chat DATA_DIR, its source file, an SFT MODEL_DIR, its base MODEL_DIR): SFT_STEPS steps from a random model,
+  which then answers about 70% of the held-out prompts exactly (greedy) and half of its samples."""
+  data_dir, train_file, _ = chat_data
   root = tmp_path_factory.mktemp("grpo")
   base_dir, sft_dir = str(root / "base"), str(root / "sft")
   run, opt = chat_sft_run(sft_dir, data_dir, base_dir, SFT_STEPS)
   checkpointing.save_params(base_dir, model_params(experiment_lib.Experiment(run, MODEL, opt), seed=0))
   trainer.train(run, MODEL, opt)
-  return data_dir, train_file, sft_dir
+  return data_dir, train_file, sft_dir, base_dir
+
+
+@pytest.mark.slow  # the SFT fixture (100 steps) and two generations of 40 answers
+def test_fine_tuning_teaches_a_generated_chat_task_the_base_cannot_do(chat_data, sft):
+  """Reverse two words, asked in a chat (t5x_like/data/chat_synth.py): the random base answers none of 40 held-out
+  conversations; fine-tuned from it (INITIAL_CHECKPOINT_PATH; the `sft` fixture's SFT_STEPS steps on 576 others, loss
+  on the answers only) it answers most exactly. (Here rather than in tests/test_finetune.py, whose data, model and
+  SFT run these are, to share the SFT run GRPO starts from; bench/finetune_task.py measures full / LoRA /
+  attention-only from a pre-trained base.)"""
+  test_file = chat_data[2]
+  data_dir, _, sft_dir, base_dir = sft
+  run, opt = chat_sft_run(sft_dir, data_dir, base_dir, SFT_STEPS)
+  exp = experiment_lib.Experiment(run, MODEL, opt)
+  lines = chat_eval.read_chat_lines(test_file, require_reference=True)
+  assert len(lines) == 40
+  encoder = chat_eval.encoder_for(exp, chat.ChatTemplate())
+
+  def exact_match(params) -> float:
+    with exp.context():
+      return chat_eval.evaluate(params, encoder, lines, objective=exp.model_objective, config=exp.model_config,
+                                batch_size=40, max_new_tokens=6)["generate/exact_match"]
+
+  assert exact_match(checkpointing.restore_params(base_dir)[1]) == 0.0
+  with exp.context():
+    step, tuned = exp.restore_params(None)
+  assert step == SFT_STEPS and exact_match(tuned) >= 0.5
 
 
 def test_prompts_are_the_conversations_before_their_last_assistant_turn(chat_data, tmp_path):
-  (data_dir, train_file), sft_dir = chat_data, ""  # nothing is restored to read prompts
+  (data_dir, train_file, _), sft_dir = chat_data, ""  # nothing is restored to read prompts
   exp = experiment_lib.Experiment(grpo_config(tmp_path, data_dir, sft_dir), MODEL, GRPO_OPT)
   prompts = exp.rollouts.train
   assert not any(prompts.skipped.values()) and len(prompts.prompts) == exp.manifest["splits"]["train"]["num_documents"]
@@ -176,7 +202,7 @@ def test_prompts_are_the_conversations_before_their_last_assistant_turn(chat_dat
 
 
 def test_bad_grpo_configurations_are_one_line_errors_naming_the_key(chat_data, corpus, tmp_path):
-  (data_dir, _), sft_dir = chat_data, ""
+  (data_dir, _, _), sft_dir = chat_data, ""
   for objective, message in [
       (dict(num_generations=1), r"ObjectiveConfig.num_generations=1: GRPO compares each sample with the others"),
       (dict(num_generations=3), r"BATCH_SIZE=128 is not a multiple of ObjectiveConfig.num_generations=3"),
@@ -195,7 +221,7 @@ def test_grpo_raises_the_held_out_reward_and_a_resumed_run_repeats_the_same_roll
   """GRPO from the SFT model with the exact-match reward: the greedy answers to the held-out prompts score well
   above the SFT model's, and so do the training samples; a copy rewound to the step-30 checkpoint and resumed
   samples the same completions (same rewards, lengths) and makes the same updates (same loss), bit for bit."""
-  data_dir, _, sft_dir = sft
+  data_dir, _, sft_dir, _ = sft
   config = grpo_config(tmp_path / "grpo", data_dir, sft_dir)
   exp = experiment_lib.Experiment(config, MODEL, GRPO_OPT)
   with exp.context():
@@ -224,7 +250,7 @@ def test_grpo_raises_the_held_out_reward_and_a_resumed_run_repeats_the_same_roll
 def test_a_learned_reward_scores_each_prompt_and_completion_with_the_reward_model(sft, tmp_path):
   """reward='reward_model': the reward of a rollout is the reward model's score head read at the completion's end
   marker, computed here independently from the rollout row the step trains on (RLHF with a learned reward)."""
-  data_dir, _, sft_dir = sft
+  data_dir, _, sft_dir, _ = sft
   rm_config = dataclasses.replace(MODEL, score_head=True)
   rm_dir = str(tmp_path / "rm")
   exp = experiment_lib.Experiment(grpo_config(tmp_path / "g", data_dir, sft_dir, reward="reward_model",
