@@ -40,13 +40,18 @@ def synthetic_batch(seed: int = 0, vocab: int = CFG.vocab_size) -> dict:
           "weights": (segment_ids != 0).astype(np.float32)}
 
 
+@functools.lru_cache(maxsize=None)
+def initial_params():
+  """CFG's initial parameters, initialised once (an op-by-op init costs ~1 s a call; jax arrays are immutable)."""
+  params = model_lib.GPT(CFG).init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))["params"]
+  return jax.tree.map(lambda x: x.value if hasattr(x, "value") else x, params, is_leaf=lambda x: hasattr(x, "value"))
+
+
 def make_state(cfg, precision_config=None):
   """(model, tx, lr_fn, initial TrainState on one device) — the same parameters for every dtype."""
   model = model_lib.GPT(cfg)
   tx, lr_fn = optimizer.make_optimizer(OPT, 10), optimizer.learning_rate_schedule(OPT, 10)
-  params = model_lib.GPT(CFG).init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))["params"]
-  params = jax.tree.map(lambda x: x.value if hasattr(x, "value") else x, params,
-                        is_leaf=lambda x: hasattr(x, "value"))
+  params = initial_params()
   state = train_state.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                                  loss_scale=precision.init_loss_scale(precision_config, cfg.dtype))
   return model, tx, lr_fn, state
