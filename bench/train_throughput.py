@@ -89,7 +89,8 @@ def cpu_matmul_rate(dtype: str = "float32", size: int = 1024, calls: int = 6) ->
   return 2.0 * size**3 * 8 * calls / (time.process_time() - c0)
 
 
-def compiled_step(cfg, batch: int, seq: int, loss_scaling: str = "auto", offload_optimizer: bool = False) -> tuple:
+def compiled_step(cfg, batch: int, seq: int, loss_scaling: str = "auto", offload_optimizer: bool = False,
+                  loss_chunk: int = 0) -> tuple:
   """(compiled train step, initial state, batch on the device, compile seconds, compile CPU seconds): the trainer's
   jitted train_step (shardings, donated state) for `cfg` on one device."""
   mesh = mesh_lib.create_mesh({"data": 1}, jax.devices()[:1])
@@ -106,7 +107,9 @@ def compiled_step(cfg, batch: int, seq: int, loss_scaling: str = "auto", offload
       state = jax.device_put(state, shardings)
     batch_sh = partitioning.batch_sharding(mesh, RULES)
     data = {k: jax.device_put(v, batch_sh) for k, v in synthetic_batch(batch, seq, cfg.vocab_size).items()}
-    fn = functools.partial(train_step.train_step, objective=language_model.LanguageModel(model.apply), tx=tx, lr_fn=lr_fn,
+    objective = language_model.LanguageModel(model.apply, loss_chunk=loss_chunk,
+                                             logits_fn=functools.partial(model_lib.project_logits, config=cfg))
+    fn = functools.partial(train_step.train_step, objective=objective, tx=tx, lr_fn=lr_fn,
                            precision_config=prec)
     if offload_optimizer:
       fn = offload.with_device_opt_state(fn, shardings)

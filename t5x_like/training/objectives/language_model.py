@@ -26,25 +26,70 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array
   return jnp.sum((log_z - target_logit) * weights), jnp.sum(weights)
 
 
-def chunked_cross_entropy_sums(logits_fn: Callable, hidden: jax.Array, targets: jax.Array,
+# The parameters an output projection reads (decoder.project_logits): the tied embedding or the untied head.
+HEAD_PARAMS = ("token_embedding", "lm_head")
+
+
+def head_params(params) -> dict:
+  """The subset of the model's parameters the output projection reads (HEAD_PARAMS)."""
+  return {k: params[k] for k in HEAD_PARAMS if k in params}
+
+
+def chunked_cross_entropy_sums(logits_fn: Callable, head: dict, hidden: jax.Array, targets: jax.Array,
                                weights: jax.Array, chunk: int):
-  """cross_entropy_sums without the (B, L, V) float32 logits: the sequence is cut into chunks of
-  `chunk` positions, each projected to logits, reduced and dropped (and recomputed in the backward
-  pass), so the largest live logits block is (B, chunk, V). hidden: (B, L, D); L % chunk == 0."""
+  """cross_entropy_sums of logits_fn(head, hidden) without ever holding the (B, L, V) float32 logits.
+
+  The sequence is cut into chunks of `chunk` positions. Under differentiation the gradient is computed in the
+  same pass as the loss (a fused linear cross-entropy): each chunk's logits are projected, reduced to the loss,
+  turned into the logits gradient (softmax − one-hot, weighted) and contracted at once into the chunk's
+  hidden-state gradient and the head's gradient (summed over chunks), while the chunk is still in cache. The
+  backward pass only scales those by the loss's cotangent: no logits are recomputed or stored, and XLA never
+  materialises or transposes a (B, L, V) array. Without differentiation (evaluation) only the loss is computed.
+
+  Args:
+    logits_fn: (head, hidden (B, c, D)) → (B, c, V) float32 logits (decoder.project_logits).
+    head: the parameters logits_fn reads (head_params(params)); its gradient is returned through `head`.
+    hidden: (B, L, D) final hidden states; L % chunk == 0.
+    targets, weights: (B, L).
+  Returns:
+    (Σ weight·CE, Σ weight) float32, differentiable in `head` and `hidden`.
+  """
   b, length, _ = hidden.shape
   n = length // chunk
   split = lambda x: jnp.swapaxes(x.reshape((b, n, chunk) + x.shape[2:]), 0, 1)  # (n, B, chunk, ...)
-
-  @jax.checkpoint
-  def one(h, t, w):
-    return cross_entropy_sums(logits_fn(h), t, w)
-
-  def body(carry, xs):
-    loss, weight = one(*xs)
-    return (carry[0] + loss, carry[1] + weight), None
-
   zero = jnp.zeros((), jnp.float32)
-  return jax.lax.scan(body, (zero, zero), (split(hidden), split(targets), split(weights)))[0]
+
+  def chunk_sums(hd, h, t, w):
+    return cross_entropy_sums(logits_fn(hd, h), t, w)
+
+  @jax.custom_vjp
+  def sums(hd, h, t, w):
+    def body(carry, xs):
+      loss, weight = chunk_sums(hd, *xs)
+      return (carry[0] + loss, carry[1] + weight), None
+    return jax.lax.scan(body, (zero, zero), (split(h), split(t), split(w)))[0]
+
+  def forward(hd, h, t, w):
+    def body(carry, xs):
+      loss_sum, weight_sum, head_grad = carry
+      h_c, t_c, w_c = xs
+      (loss, weight), vjp = jax.vjp(lambda p, x: chunk_sums(p, x, t_c, w_c), hd, h_c)
+      d_head, d_hidden = vjp((jnp.ones_like(loss), jnp.zeros_like(weight)))
+      return (loss_sum + loss, weight_sum + weight, jax.tree.map(jnp.add, head_grad, d_head)), d_hidden
+
+    init = (zero, zero, jax.tree.map(jnp.zeros_like, hd))
+    (loss_sum, weight_sum, head_grad), d_hidden = jax.lax.scan(body, init, (split(h), split(t), split(w)))
+    d_hidden = jnp.swapaxes(d_hidden, 0, 1).reshape(h.shape)
+    return (loss_sum, weight_sum), (head_grad, d_hidden)
+
+  def backward(residuals, cotangents):
+    head_grad, d_hidden = residuals
+    g = cotangents[0]  # Σ weight has no gradient
+    return (jax.tree.map(lambda x: (x * g).astype(x.dtype), head_grad), (d_hidden * g).astype(d_hidden.dtype),
+            None, None)
+
+  sums.defvjp(forward, backward)
+  return sums(head, hidden, targets, weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +98,10 @@ class LanguageModel:
 
   Attributes:
     apply_fn: the decoder's `apply` ({'params': p}, tokens, positions, segment_ids) → (B, L, V) logits.
-    logits_fn: (params, hidden) → logits (decoder.project_logits), for the chunked loss.
-    loss_chunk: > 0: compute the loss over chunks of this many positions (never the full f32 logits).
+    logits_fn: (params, hidden) → logits (decoder.project_logits), for the chunked loss; it is given only the
+      output projection's parameters (head_params).
+    loss_chunk: > 0: compute the loss and its gradient over chunks of this many positions (never the full f32
+      logits; chunked_cross_entropy_sums).
   """
   apply_fn: Callable
   logits_fn: Optional[Callable] = None
@@ -67,7 +114,7 @@ class LanguageModel:
     # "intermediates" mutable: an MoE model sows its routing statistics there (a dense model sows nothing)
     if self.loss_chunk and self.logits_fn is not None and batch["inputs"].shape[1] > self.loss_chunk:
       hidden, state = self.apply_fn({"params": params}, *args, return_hidden=True, mutable=["intermediates"])
-      loss_sum, weight_sum = chunked_cross_entropy_sums(lambda h: self.logits_fn(params, h), hidden,
+      loss_sum, weight_sum = chunked_cross_entropy_sums(self.logits_fn, head_params(params), hidden,
                                                         batch["targets"], batch["weights"], self.loss_chunk)
     else:
       logits, state = self.apply_fn({"params": params}, *args, mutable=["intermediates"])
