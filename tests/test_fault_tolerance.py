@@ -25,7 +25,7 @@ from t5x_like.training import experiment
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {"model.GPTConfig.num_layers": 1, "model.GPTConfig.d_model": 32, "model.GPTConfig.num_heads": 2,
         "model.GPTConfig.d_ff": 64, "model.GPTConfig.max_len": 32}
-STEPS = 60  # long enough (a few seconds of stepping) to be interrupted at a random step
+STEPS = 40  # long enough to be interrupted twice at a step ≥ 10 with 12 steps to spare
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,9 @@ def test_nan_batch_skipped_then_streak_rolls_back_and_skips_batches(tmp_path, da
 # End to end: `python -m t5x_like.train` killed and relaunched gives the uninterrupted run bit for bit.
 
 
-def _launch(model_dir, data_dir, cache_dir, steps=STEPS):
+def launch_args(model_dir, data_dir, steps=STEPS) -> list:
+  """The CLI launch of a TINY run on 2 CPU devices (tests/test_train_e2e.py's non-finite launch is one too, so its
+  compiled step comes from the persistent cache)."""
   args = [sys.executable, "-m", "t5x_like.train", "--gin_file=configs/models/gpt_tiny.gin",
           "--gin_file=configs/runs/pretrain.gin", f"--gin.MODEL_DIR='{model_dir}'",
           f"--gin.DATA_DIR='{data_dir}'", f"--gin.TRAIN_STEPS={steps}", "--gin.LOG_EVERY=1",
@@ -120,12 +122,18 @@ def _launch(model_dir, data_dir, cache_dir, steps=STEPS):
           "--gin.MESH_SHAPE={'pipeline': 1, 'data': 2, 'fsdp': 1, 'tensor': 1}",
           "--gin.data.DataConfig.eval_batches=1", "--gin.data.DataConfig.shuffle_buffer=64",
           "--gin.optimizer.OptimizerConfig.warmup_steps=5"]
-  args += [f"--gin.{k}={v}" for k, v in TINY.items()]
-  env = dict(os.environ, XLA_FLAGS=conftest.xla_flags(2), JAX_PLATFORMS="cpu",
-             TF_CPP_MIN_LOG_LEVEL="3", JAX_COMPILATION_CACHE_DIR=str(cache_dir),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  return args + [f"--gin.{k}={v}" for k, v in TINY.items()]
+
+
+def launch_env() -> dict:
+  """2 CPU devices; the test run's persistent compilation cache (tests/conftest.py)."""
+  return dict(os.environ, XLA_FLAGS=conftest.xla_flags(2), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+
+
+def _launch(model_dir, data_dir, steps=STEPS):
   log = open(os.path.join(os.path.dirname(model_dir), os.path.basename(model_dir) + ".log"), "ab")
-  return subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+  return subprocess.Popen(launch_args(model_dir, data_dir, steps), cwd=REPO, env=launch_env(), stdout=log,
+                          stderr=subprocess.STDOUT)
 
 
 def _logged_steps(model_dir) -> list:
@@ -136,10 +144,10 @@ def _logged_steps(model_dir) -> list:
     return []
 
 
-def _interrupt(model_dir, data_dir, cache_dir, at_step: int, sig) -> int:
+def _interrupt(model_dir, data_dir, at_step: int, sig) -> int:
   """Launches a run and sends it `sig` once this launch has logged a step ≥ at_step; returns the exit code."""
   seen = len(_logged_steps(model_dir))
-  proc = _launch(model_dir, data_dir, cache_dir)
+  proc = _launch(model_dir, data_dir)
   deadline = time.time() + 240
   while max(_logged_steps(model_dir)[seen:], default=0) < at_step and proc.poll() is None:
     assert time.time() < deadline, "the run made no progress"
@@ -171,7 +179,7 @@ def reference_run(tmp_path_factory, data_dir):
   """The uninterrupted run (and a warm JAX compilation cache for the interrupted ones)."""
   base = tmp_path_factory.mktemp("ft_e2e")
   model_dir = str(base / "reference")
-  assert _launch(model_dir, data_dir, base / "jax_cache").wait(timeout=300) == 0
+  assert _launch(model_dir, data_dir).wait(timeout=300) == 0
   return base, model_dir
 
 
@@ -182,14 +190,14 @@ def test_sigterm_then_kill_9_then_resume_is_bit_identical(reference_run, data_di
   finishes. Every logged loss (the redone steps too) and the final parameters equal the uninterrupted run's."""
   base, reference = reference_run
   model_dir = str(base / "interrupted")
-  code = _interrupt(model_dir, data_dir, base / "jax_cache", 10, signal.SIGTERM)
+  code = _interrupt(model_dir, data_dir, 10, signal.SIGTERM)
   assert code == fault_tolerance.EXIT_PREEMPTED
   stopped_at = max(_logged_steps(model_dir))
   assert 10 <= stopped_at < STEPS - 12
   assert checkpoints.committed_steps(model_dir)[-1] == stopped_at  # saved at the signal's step
   assert "SIGTERM at step" in open(model_dir + ".log").read()
   kill_at = stopped_at + random.Random(1).randint(2, 10)
-  code = _interrupt(model_dir, data_dir, base / "jax_cache", kill_at, signal.SIGKILL)
+  code = _interrupt(model_dir, data_dir, kill_at, signal.SIGKILL)
   assert code == -signal.SIGKILL, f"the run ended ({code}) before step {kill_at}"
-  assert _launch(model_dir, data_dir, base / "jax_cache").wait(timeout=300) == 0
+  assert _launch(model_dir, data_dir).wait(timeout=300) == 0
   _assert_same_run(model_dir, reference)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests import conftest
+from tests import test_fault_tolerance
 
 from t5x_like import cli
 from t5x_like.data import input_pipeline
@@ -109,10 +110,11 @@ def test_cli_bad_input_exits_with_one_line_reason(tmp_path):
 
 @pytest.mark.slow
 def test_exit_codes_nonfinite_65_and_unwritable_model_dir_74(dataset, tmp_path):
-  tiny = ["--gin.BATCH_SIZE=8", "--gin.SEQ_LEN=32", "--gin.TRAIN_STEPS=6", "--gin.LOG_EVERY=1",
-          "--gin.model.GPTConfig.num_layers=1", f"--gin.DATA_DIR='{dataset}'"]
-  nan = _cli(f"--gin.MODEL_DIR='{tmp_path}/nan'", *tiny, "--gin.fault_tolerance.FaultToleranceConfig.nonfinite_patience=2",
-             "--gin.fault_tolerance.FaultToleranceConfig.debug_nan_steps=(2, 3, 4)")
+  # test_fault_tolerance's TINY launch (its compiled step in the persistent cache), NaN at steps 2..4
+  nan = subprocess.run(test_fault_tolerance.launch_args(f"{tmp_path}/nan", dataset) + [
+      "--gin.fault_tolerance.FaultToleranceConfig.nonfinite_patience=2",
+      "--gin.fault_tolerance.FaultToleranceConfig.debug_nan_steps=(2, 3, 4)"], cwd=ROOT, capture_output=True,
+      text=True, timeout=300, env=test_fault_tolerance.launch_env())
   assert nan.returncode == 65, nan.stderr[-2000:]
   assert nan.stderr.strip().splitlines()[-1].startswith("stopped: 2 consecutive non-finite steps ending at step 3")
   locked = tmp_path / "locked"
