@@ -58,6 +58,7 @@ def chunked_cross_entropy_sums(logits_fn: Callable, head: dict, hidden: jax.Arra
   n = length // chunk
   split = lambda x: jnp.swapaxes(x.reshape((b, n, chunk) + x.shape[2:]), 0, 1)  # (n, B, chunk, ...)
   zero = jnp.zeros((), jnp.float32)
+  hidden_dtype = hidden.dtype
 
   def chunk_sums(hd, h, t, w):
     return cross_entropy_sums(logits_fn(hd, h), t, w)
@@ -73,7 +74,9 @@ def chunked_cross_entropy_sums(logits_fn: Callable, head: dict, hidden: jax.Arra
     def body(carry, xs):
       loss_sum, weight_sum, head_grad = carry
       h_c, t_c, w_c = xs
-      (loss, weight), vjp = jax.vjp(lambda p, x: chunk_sums(p, x, t_c, w_c), hd, h_c)
+      # the hidden states' gradient stays float32 until the backward pass has scaled it by the loss's cotangent
+      # (e.g. 2^15 / Σ weight under float16 loss scaling), then is cast once to the activations' dtype
+      (loss, weight), vjp = jax.vjp(lambda p, x: chunk_sums(p, x, t_c, w_c), hd, h_c.astype(jnp.float32))
       d_head, d_hidden = vjp((jnp.ones_like(loss), jnp.zeros_like(weight)))
       return (loss_sum + loss, weight_sum + weight, jax.tree.map(jnp.add, head_grad, d_head)), d_hidden
 
@@ -85,7 +88,7 @@ def chunked_cross_entropy_sums(logits_fn: Callable, head: dict, hidden: jax.Arra
   def backward(residuals, cotangents):
     head_grad, d_hidden = residuals
     g = cotangents[0]  # Σ weight has no gradient
-    return (jax.tree.map(lambda x: (x * g).astype(x.dtype), head_grad), (d_hidden * g).astype(d_hidden.dtype),
+    return (jax.tree.map(lambda x: (x * g).astype(x.dtype), head_grad), (d_hidden * g).astype(hidden_dtype),
             None, None)
 
   sums.defvjp(forward, backward)
