@@ -14,7 +14,7 @@ from t5x_like.training.objectives import language_model
 
 
 @pytest.mark.parametrize("tied,dtype", [(True, "float32"), pytest.param(False, "float32", marks=pytest.mark.slow),
-                                        (True, "float16")])
+                                        pytest.param(True, "float16", marks=pytest.mark.slow)])
 def test_chunked_loss_and_grads_equal_full(tied, dtype):
   """The fused chunked loss against the plain one. float16: with the cotangent dynamic loss scaling gives
   (2^15 / Σ weight), every gradient is finite and equals the plain path's within float16 rounding."""
