@@ -1,6 +1,6 @@
 """Step time per mesh layout on an 8-device CPU mesh, and the measured pipeline bubble vs (p−1)/(v·m+p−1).
 
-    python bench/parallelism.py [--repeats 5] [--skip_layouts] [--skip_bubble]
+    python bench/parallelism.py [--repeats 5] [--skip_layouts] [--skip_bubble] [--bubble_only]
 
 Prints two Markdown tables (copied into docs/parallelism.md).
 
@@ -17,12 +17,25 @@ because XLA:CPU's backward of 8-row microbatches costs 20-40% more CPU time than
 weight-gradient matmuls, per-microbatch accumulation): that is the price of microbatching, which
 gradient accumulation pays too, not idle pipeline slots. What the schedule adds on top of the bubble
 (rolling the state buffer, the loop buffer, the CPU collectives) is counted in the measured figure.
+
+The bubble table runs in a process of its own pinned to one core, with XLA:CPU's kernels single-threaded
+(--xla_cpu_multi_thread_eigen=false): then CPU time is the kernels' work alone. With both cores and
+multi-threaded kernels, a one-device program and a p-device one spend different amounts of CPU time on
+threads waiting for each other, which moved the measured bubble by ±0.2 between runs (negative bubbles).
 """
 
 
 import argparse
 import os
+import subprocess
+import sys
 
+# --bubble_only (the bubble half, in its own process: see the docstring) runs on one core with single-threaded
+# XLA:CPU kernels, set before jax starts.
+BUBBLE_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
+if "--bubble_only" in sys.argv:
+  os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + BUBBLE_XLA_FLAGS).strip()
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -62,9 +75,9 @@ LAYOUTS = (
     ("pipeline 2 × tensor 4 (m=4)", {"pipeline": 2, "tensor": 4}, 4),
     ("pipeline 2 × fsdp 2 × tensor 2 (m=8)", {"pipeline": 2, "fsdp": 2, "tensor": 2}, 8),
 )
-BUBBLE_CFG = model_lib.GPTConfig(vocab_size=128, max_len=32, num_layers=8, num_heads=4, d_model=128, d_ff=512,
+BUBBLE_CFG = model_lib.GPTConfig(vocab_size=128, max_len=128, num_layers=8, num_heads=4, d_model=256, d_ff=1024,
                                  dtype="float32")
-BUBBLE_ROWS_PER_MICROBATCH, BUBBLE_SEQ = 8, 32
+BUBBLE_ROWS_PER_MICROBATCH, BUBBLE_SEQ = 8, 128
 
 
 def best_time(fn, *args, repeats: int, clock=time.perf_counter) -> float:
@@ -112,12 +125,15 @@ def layout_step_seconds(mesh_shape: dict, pipeline_microbatches: int, repeats: i
 
 
 @functools.lru_cache(maxsize=None)
-def block_stack_seconds(stages: int, microbatches: int, repeats: int, virtual: int = 1) -> float:
-  """Best CPU time (all threads) of forward+backward through the block stack: pipelined over `stages` devices
-  (`virtual` chunks each) with `microbatches` microbatches, or sequential on one device when stages == 1."""
+def block_stack_seconds(stages: int, microbatches: int, repeats: int, virtual: int = 1,
+                        scan: bool = False) -> float:
+  """Best CPU time (all threads) of forward+backward through the block stack with `microbatches` microbatches:
+  pipelined over `stages` devices, `virtual` chunks each (stages == 1: the same schedule on one device, so
+  `virtual` chunks one after another for each microbatch, v·m iterations, no bubble); or, with `scan`, the
+  microbatches one after another through one `scan_blocks` over all layers."""
   rows = BUBBLE_ROWS_PER_MICROBATCH * microbatches
   cfg = dataclasses.replace(BUBBLE_CFG, num_stages=stages, pipeline_microbatches=microbatches,
-                            pipeline_repeats=virtual if stages > 1 else 1)
+                            pipeline_repeats=virtual)
   cfg.validate()
   mesh = mesh_lib.create_mesh({"pipeline": stages}, jax.devices()[:stages])
   params = partitioning.unbox(blocks.init_stacked_blocks(cfg, jax.random.key(0), cfg.num_layers))
@@ -126,7 +142,7 @@ def block_stack_seconds(stages: int, microbatches: int, repeats: int, virtual: i
   positions = jnp.broadcast_to(jnp.arange(BUBBLE_SEQ, dtype=jnp.int32), (rows, BUBBLE_SEQ))
 
   def loss(p, h):
-    if stages > 1:
+    if not scan:
       out = pipeline.pipeline_blocks(cfg, p, h, segment_ids, positions)
     else:  # the same microbatches, one after another
       mask = layers.causal_segment_mask(segment_ids[:BUBBLE_ROWS_PER_MICROBATCH])
@@ -142,39 +158,56 @@ def block_stack_seconds(stages: int, microbatches: int, repeats: int, virtual: i
     return best_time(grad, params, x, repeats=repeats, clock=time.process_time)
 
 
+def layout_table(repeats: int) -> None:
+  c = LAYOUT_CFG
+  print(f"Train step (AdamW, float32), {c.num_layers} layers, d_model {c.d_model}, {c.num_heads} heads, "
+        f"d_ff {c.d_ff}, vocab {c.vocab_size}; batch {LAYOUT_BATCH} × {LAYOUT_SEQ} tokens; best of {repeats}\n")
+  print("| layout | step ms | tokens/s |\n|---|---:|---:|")
+  for name, shape, m in LAYOUTS:
+    seconds = layout_step_seconds(shape, m, repeats)
+    print(f"| {name} | {seconds * 1e3:.1f} | {LAYOUT_BATCH * LAYOUT_SEQ / seconds:,.0f} |", flush=True)
+  print()
+
+
+def bubble_table(repeats: int, microbatches: list) -> None:
+  c = BUBBLE_CFG
+  print(f"Pipeline bubble: forward+backward of {c.num_layers} blocks (d_model {c.d_model}, d_ff {c.d_ff}), "
+        f"{BUBBLE_ROWS_PER_MICROBATCH} rows × {BUBBLE_SEQ} tokens per microbatch; CPU seconds on one core "
+        f"(single-threaded kernels), best of {repeats}. Baseline: the same chunks (L/(p·v) layers) one after "
+        f"another on one device (p·v·m iterations, no bubble); also against one scan over all layers\n")
+  print("| p | v | m | baseline CPU ms | pipelined CPU ms | measured bubble | (p−1)/(v·m+p−1) | difference | "
+        "vs one scan (ms: bubble) |\n|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+  for stages in (2, 4):
+    for virtual in (1, 2):
+      for m in microbatches:
+        useful = block_stack_seconds(1, m, repeats, stages * virtual)
+        piped = block_stack_seconds(stages, m, repeats, virtual)
+        scanned = block_stack_seconds(1, m, repeats, scan=True)
+        theory = pipeline.bubble_fraction(stages, m, virtual)
+        print(f"| {stages} | {virtual} | {m} | {useful * 1e3:.1f} | {piped * 1e3:.1f} | {1 - useful / piped:.3f} | "
+              f"{theory:.3f} | {1 - useful / piped - theory:+.3f} | {scanned * 1e3:.0f}: {1 - scanned / piped:.3f} |",
+              flush=True)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--skip_layouts", action="store_true")
   parser.add_argument("--skip_bubble", action="store_true")
   parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16], help="pipeline microbatches m")
+  parser.add_argument("--bubble_only", action="store_true",
+                      help="the bubble table alone, in this process (on one core, single-threaded XLA:CPU kernels)")
   args = parser.parse_args()
-  print(f"jax {jax.__version__}, {jax.device_count()} CPU devices, {os.cpu_count()} cores visible\n")
+  print(f"jax {jax.__version__}, {jax.device_count()} CPU devices, {len(os.sched_getaffinity(0))} of "
+        f"{os.cpu_count()} cores in use\n", flush=True)
+  if args.bubble_only:
+    bubble_table(args.repeats, args.microbatches)
+    return
   if not args.skip_layouts:
-    c = LAYOUT_CFG
-    print(f"Train step (AdamW, float32), {c.num_layers} layers, d_model {c.d_model}, {c.num_heads} heads, "
-          f"d_ff {c.d_ff}, vocab {c.vocab_size}; batch {LAYOUT_BATCH} × {LAYOUT_SEQ} tokens; best of "
-          f"{args.repeats}\n")
-    print("| layout | step ms | tokens/s |\n|---|---:|---:|")
-    for name, shape, m in LAYOUTS:
-      seconds = layout_step_seconds(shape, m, args.repeats)
-      print(f"| {name} | {seconds * 1e3:.1f} | {LAYOUT_BATCH * LAYOUT_SEQ / seconds:,.0f} |", flush=True)
-    print()
-  if not args.skip_bubble:
-    c = BUBBLE_CFG
-    print(f"Pipeline bubble: forward+backward of {c.num_layers} blocks (d_model {c.d_model}, d_ff {c.d_ff}), "
-          f"{BUBBLE_ROWS_PER_MICROBATCH} rows × {BUBBLE_SEQ} tokens per microbatch; CPU seconds, "
-          f"best of {args.repeats}\n")
-    print("| p | v | m | sequential CPU ms | pipelined CPU ms | measured bubble | (p−1)/(v·m+p−1) | difference |\n"
-          "|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for stages in (2, 4):
-      for virtual in (1, 2):
-        for m in args.microbatches:
-          useful = block_stack_seconds(1, m, args.repeats)
-          piped = block_stack_seconds(stages, m, args.repeats, virtual)
-          theory = pipeline.bubble_fraction(stages, m, virtual)
-          print(f"| {stages} | {virtual} | {m} | {useful * 1e3:.1f} | {piped * 1e3:.1f} | {1 - useful / piped:.3f} | "
-                f"{theory:.3f} | {1 - useful / piped - theory:+.3f} |", flush=True)
+    layout_table(args.repeats)
+  if not args.skip_bubble:  # its own process: the core and the XLA flags are set before jax starts
+    sys.exit(subprocess.call([sys.executable, __file__, "--bubble_only", "--repeats", str(args.repeats),
+                              "--microbatches", *map(str, args.microbatches)]))
 
 
 if __name__ == "__main__":
