@@ -66,15 +66,16 @@ class Grpo:
   beta: float = 0.04
   on_policy: bool = False  # the batch was sampled from these parameters: π_old = stop_gradient(π), no `old_logps`
   loss_type: str = "grpo"  # named in the reference-loading errors shared with DPO
-  features: tuple = FEATURES
 
   def __post_init__(self):
-    if self.on_policy:
-      object.__setattr__(self, "features", ON_POLICY_FEATURES)
     if not 0 < self.clip_epsilon < 1:
       raise ValueError(f"ObjectiveConfig.clip_epsilon must be in (0, 1), got {self.clip_epsilon}")
     if self.beta < 0:
       raise ValueError(f"ObjectiveConfig.beta (GRPO's KL coefficient) must be >= 0, got {self.beta}")
+
+  @property
+  def features(self) -> tuple:
+    return ON_POLICY_FEATURES if self.on_policy else FEATURES
 
   @property
   def needs_reference(self) -> bool:
