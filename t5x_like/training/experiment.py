@@ -143,8 +143,12 @@ class Experiment(frozen_models.FrozenModels):
   @functools.cached_property
   def boxed_params(self):
     """The model's abstract parameters, boxed with their logical axis names (nothing allocated)."""
+    return self.boxed_params_of(self.model)
+
+  def boxed_params_of(self, model):
+    """A model's abstract parameters on this mesh, boxed with their logical axis names (nothing allocated)."""
     with self.context():
-      return jax.eval_shape(lambda: self.model.init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))["params"]
+      return jax.eval_shape(lambda: model.init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))["params"]
 
   @functools.cached_property
   def model_shardings(self):

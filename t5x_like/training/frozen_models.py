@@ -6,7 +6,6 @@ base; and the warm start of a reward model from a checkpoint without its score h
 config and boxed parameters from it.
 """
 
-import dataclasses
 import functools
 from typing import Optional
 
@@ -41,9 +40,7 @@ class FrozenModels:
   @functools.cached_property
   def teacher_boxed_params(self):
     """The teacher's abstract parameters, boxed with their logical axis names (nothing allocated)."""
-    with self.context():
-      return jax.eval_shape(lambda: model_lib.GPT(self.teacher_config).init(
-          jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))["params"]
+    return self.boxed_params_of(model_lib.GPT(self.teacher_config))
 
   @functools.cached_property
   def teacher_shardings(self):
@@ -58,7 +55,7 @@ class FrozenModels:
     what = f"teacher model (TEACHER_CHECKPOINT_PATH, model config {self.teacher_source})"
     pinned = self.check_checkpoint_shapes(path, what, boxed=self.teacher_boxed_params)
     if self.teacher != pinned:
-      self.add_frozen(distill.TEACHER, pinned, self.teacher_config)
+      self.add_frozen(distill.TEACHER, pinned, self.teacher_boxed_params, self.teacher_shardings)
       self.teacher = pinned
     return pinned
 
@@ -126,24 +123,19 @@ class FrozenModels:
       self.frozen[lora_lib.BASE], self.lora_base = params, pinned
     return pinned
 
-  def add_frozen(self, name: str, path: str, model_config: Optional[model_lib.GPTConfig] = None):
+  def add_frozen(self, name: str, path: str, boxed=None, shardings=None):
     """Restores a frozen model (a reference or a teacher: parameters only, no optimizer state) from a
     MODEL_DIR or a `checkpoints/<step>` directory onto this mesh, laid out by the same rules table.
 
-    `model_config` (default: this run's model) may differ, e.g. a larger teacher; its vocabulary must
-    equal this run's. The parameters reach the objective as `frozen[name]`.
+    By default it is this run's model, its shapes checked first; a teacher passes its own `boxed` parameters and
+    their `shardings` (its config was checked against this run's when the objective was chosen). The parameters
+    reach the objective as `frozen[name]`.
     """
-    cfg = model_config or self.model_config
-    if cfg.vocab_size and cfg.vocab_size != self.model_config.vocab_size:
-      raise ValueError(f"frozen model {name!r} at {path}: vocab_size={cfg.vocab_size} differs from this "
-                       f"run's {self.model_config.vocab_size} (the same tokenizer is required)")
-    cfg = dataclasses.replace(cfg, vocab_size=self.model_config.vocab_size, num_stages=self.model_config.num_stages)
-    if model_config is None:
+    if boxed is None:
       self.check_checkpoint_shapes(path, f"frozen model {name!r}")
+      boxed, shardings = self.boxed_params, self.model_shardings
+    abstract = checkpointing.abstract_with_shardings(partitioning.unbox(boxed), shardings)
     with self.context():
-      boxed = jax.eval_shape(lambda: model_lib.GPT(cfg).init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))
-      shardings = partitioning.shardings_from_boxed(boxed["params"], self.mesh, self.rules)
-      abstract = checkpointing.abstract_with_shardings(partitioning.unbox(boxed["params"]), shardings)
       _, params = checkpointing.restore_newest_params(path, abstract)
     self.frozen[name], self.frozen_shardings[name] = params, shardings
     return params
