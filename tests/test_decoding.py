@@ -217,3 +217,14 @@ def test_samples_stay_in_the_kept_set_with_its_tempered_probabilities(temperatur
     freq = np.array([counts[i] for i in ids]) / len(draws)
     stderr = np.sqrt(probs * (1 - probs) / len(draws))
     assert (np.abs(freq - probs) <= 5 * stderr).all(), (row, freq, probs)
+
+
+def test_left_pad_right_aligns_prompts_to_the_longest_or_a_wider_run_width():
+  """One width for every batch of a run (chat evaluation, GRPO rollouts) keeps one compiled program."""
+  tokens, segments = decoding.left_pad([[5, 6], [7]], pad_id=9)
+  np.testing.assert_array_equal(tokens, [[5, 6], [9, 7]])
+  np.testing.assert_array_equal(segments, [[1, 1], [0, 1]])
+  tokens, segments = decoding.left_pad([[5, 6], [7]], pad_id=9, width=4)
+  np.testing.assert_array_equal(tokens, [[9, 9, 5, 6], [9, 9, 9, 7]])
+  np.testing.assert_array_equal(segments, [[0, 0, 1, 1], [0, 0, 0, 1]])
+  assert decoding.left_pad([[1, 2, 3]], width=2)[0].shape == (1, 3)  # never narrower than the longest prompt
