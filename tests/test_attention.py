@@ -1,5 +1,6 @@
 """Attention fast paths match the reference einsum attention: jax.nn.dot_product_attention ('xla') gives
-the same outputs and gradients, layer by layer and for the whole model; 'cudnn' is refused off-GPU.
+the same outputs and gradients, layer by layer and for the whole model, and so does the causal attention by
+blocks of query rows (layers.causal_attention, the training path); 'cudnn' is refused off-GPU.
 
 Tolerances: float32 within 2e-6 absolute (both paths compute softmax in float32; only the order of
 sums differs); bfloat16 within 2e-2 absolute on unit-scale outputs (8 mantissa bits) and the whole
@@ -50,6 +51,19 @@ def test_xla_attention_matches_reference_outputs_and_grads(dtype, atol):
   np.testing.assert_allclose(np.asarray(out, np.float32)[valid], np.asarray(ref_out, np.float32)[valid], atol=atol)
   for g, r in zip(grads, ref_grads):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), atol=atol)
+
+
+@pytest.mark.parametrize("block", [4, 5])  # 4 blocks; ragged: 5 + 5 + 5 + 1 rows
+def test_causal_attention_by_blocks_matches_reference(block):
+  q, k, v, mask, valid = qkv_and_mask(jnp.float32)
+  cotangent = jax.random.normal(jax.random.key(1), (B, L, H, DH), jnp.float32) * valid[:, :, None, None]
+  kv_heads = 2  # and grouped-query: two query heads per key/value head
+  for k_, v_ in ((k, v), (k[:, :, :kv_heads], v[:, :, :kv_heads])):
+    ref_out, ref_vjp = jax.vjp(lambda q, k, v: layers.reference_attention(q, k, v, mask), q, k_, v_)
+    out, vjp = jax.vjp(lambda q, k, v: layers.causal_attention(q, k, v, mask, block), q, k_, v_)
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref_out)[valid], atol=2e-6)
+    for g, r in zip(vjp(cotangent), ref_vjp(cotangent)):
+      np.testing.assert_allclose(g, r, atol=2e-6)
 
 
 @pytest.mark.parametrize("dtype,rtol", [("float32", 1e-6), pytest.param("bfloat16", 1e-2, marks=pytest.mark.slow)])

@@ -45,7 +45,9 @@ class Attention(nn.Module):
       k = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), cache_index, axis=1)
       v = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), cache_index, axis=1)
       new_cache = (k, v)
-    if cfg.attention_impl == "reference":
+    if cfg.attention_impl == "reference" and cache is None:  # training and scoring: the mask is causal
+      out = layers.causal_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+    elif cfg.attention_impl == "reference":
       out = layers.reference_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
     else:
       out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask,

@@ -111,11 +111,11 @@ def project_logits(params, hidden: jax.Array, config: GPTConfig) -> jax.Array:
   Padding rows (≥ valid_vocab_size) get the float32 minimum, so the softmax never picks them."""
   dtype = config.compute_dtype
   if config.tie_embeddings:
-    logits = jnp.einsum("btd,vd->btv", hidden.astype(dtype), params["token_embedding"].astype(dtype),
-                        preferred_element_type=jnp.float32)
+    logits = layers.contract_trailing(hidden.astype(dtype), params["token_embedding"].astype(dtype), 1, (1,),
+                                      preferred_element_type=jnp.float32)
   else:
     head = params["lm_head"]
-    logits = jnp.einsum("btd,dv->btv", hidden.astype(dtype), head["kernel"].astype(dtype))
+    logits = layers.contract_trailing(hidden.astype(dtype), head["kernel"].astype(dtype), 1)
     if "bias" in head:
       logits = logits + head["bias"].astype(dtype)
     logits = logits.astype(jnp.float32)
