@@ -3,11 +3,11 @@ sequence 4× longer than one device's budget holds is planned on a `sequence` me
 the budget and trains.
 
 The budget is a made-up 70 MiB device. One device fits 512 tokens of LONG (8 layers, d_model 128, full remat, one
-sequence per step) but not 1,024; 2,048 = 4 × 512 fits with `sequence` = 8 (not 4: the reference attention keeps
-one layer's (T/s, T) float32 scores while it is recomputed, and those grow with T²/s). Checked against XLA:CPU's
-compiled memory analysis while fitting the memory model (max_len 4,096, so the position table is larger:
-512 tokens: 52.5 estimated vs 57.2 MiB; 2,048: 191.6 vs 214.1; 2,048 over sequence 4: 78.7 vs 79.1); the slow
-test re-checks the planned layout and runs two steps.
+sequence per step, `xla` attention) but not 1,024; 2,048 = 4 × 512 fits with `sequence` = 8 (not 4: attention keeps
+one layer's (T/s, T) float32 scores while it is recomputed, and those grow with T²/s). XLA:CPU's compiled memory
+analysis against the memory model (1 Dec 2026): 512 tokens 44.7 MiB (estimate 49.6); 1,024: 77.4 (79.0); 2,048:
+180.7 (186.0); 2,048 over sequence 4: 76.2 (82.8), over 8: 59.8 (65.6). The slow test re-checks the planned layout
+and runs two steps.
 """
 
 import dataclasses
@@ -28,7 +28,10 @@ from t5x_like.training import optimizer
 from t5x_like.training import precision
 from t5x_like.training import train_state
 
-LONG = model_lib.GPTConfig(vocab_size=256, max_len=2048, num_layers=8, num_heads=2, d_model=128, d_ff=512)
+# jax.nn.dot_product_attention's full (T/s, T) scores: the reference path computes causal attention by blocks of
+# query rows (about half the scores), so one device alone would already hold a ~1.4× longer sequence.
+LONG = model_lib.GPTConfig(vocab_size=256, max_len=2048, num_layers=8, num_heads=2, d_model=128, d_ff=512,
+                           attention_impl="xla")
 BUDGET = 70 * 2**20
 SHORT, LENGTH = 512, 2048  # LENGTH = 4 × SHORT
 DEVICE = dataclasses.replace(hardware.get("h100"), name="70 MiB device", hbm_bytes=BUDGET)

@@ -20,6 +20,7 @@ from t5x_like.parallel import axis_names as ax
 from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.model import config as config_lib
 from t5x_like.model import decoder as model_lib
+from t5x_like.model import layers
 from t5x_like.model import moe
 from t5x_like.parallel import partitioning
 from t5x_like.parallel import offload
@@ -29,18 +30,33 @@ from t5x_like.training import step as train_step
 from t5x_like.training import train_state
 from t5x_like.training.objectives import language_model
 
-# Calibration: least-squares fit of XLA:CPU's compiled memory analysis over 12 layouts (data, fsdp,
-# tensor, accumulation, every remat policy); tests/test_plan.py checks fresh shapes stay within 15%.
-ACTIVATION_OVERHEAD = 1.3  # XLA's live per-layer activation bytes ÷ JAX's residual bytes (fusion copies)
-LOSS_OVERHEAD = 1.5  # embedding/logits/loss live bytes ÷ their residuals (dlogits, softmax in float32)
-REMAT_WORKING = 0.25  # share of one un-rematerialised layer live while a remat layer is recomputed
-WEIGHT_COPIES = 3.5  # live bytes ÷ bfloat16 weight residuals, which XLA keeps gathered over `fsdp`
-UPDATE_TEMPS = 2.0  # float32 parameter-sized buffers of the backward + AdamW update (grads, updates)
-ACCUMULATOR_TEMPS = 0.75  # extra float32 parameter-sized buffers when NUM_MICROBATCHES > 1
-# float32 (rows, heads, T, T) attention-score buffers live while a rematerialised layer's attention is rebuilt and
-# differentiated (logits, probabilities, their gradients), beyond the loss's working set (not live at the same
-# time); fitted to XLA:CPU at T = 512..2048, where they dominate (tests/test_long_sequence.py).
-ATTENTION_WORKING = 4.0
+# Calibration: a fit (least squares on log ratios, plus the largest) to XLA:CPU's compiled memory analysis over
+# 19 points, refitted 1 Dec 2026 after the dense layers merged (batch, length) and causal attention went by blocks:
+# 9 layouts of a 3-layer model (data, fsdp, tensor, accumulation, every remat policy, T = 128 and 512) and 10
+# long-sequence points (T = 512..2,048, sequence = 1, 4, 8, both attention paths); all within 5%.
+# tests/test_plan.py and tests/test_long_sequence.py check layouts stay within 15%.
+ACTIVATION_OVERHEAD = 1.27  # XLA's live per-layer activation bytes ÷ JAX's residual bytes (fusion copies)
+LOSS_OVERHEAD = 1.33  # embedding/logits/loss live bytes ÷ their residuals (dlogits, softmax in float32)
+REMAT_WORKING = 0.21  # share of one un-rematerialised layer live while a remat layer is recomputed
+WEIGHT_COPIES = 1.19  # live bytes ÷ bfloat16 weight residuals, which XLA keeps gathered over `fsdp`
+UPDATE_TEMPS = 1.94  # float32 parameter-sized buffers of the backward + AdamW update (grads, updates)
+ACCUMULATOR_TEMPS = 1.31  # extra float32 parameter-sized buffers when NUM_MICROBATCHES > 1
+# float32 attention-score buffers (score_elements per sequence and head) live while a rematerialised layer's
+# attention is rebuilt and differentiated (logits, probabilities, their gradients), beyond the loss's working set
+# (not live at the same time); fitted to XLA:CPU at T = 512..2048 with sequence = 1, 4, 8, where they dominate
+# (tests/test_long_sequence.py); the reference path (head-major, causal blocks) keeps fewer copies than
+# jax.nn.dot_product_attention ('xla').
+ATTENTION_WORKING = 4.07
+REFERENCE_ATTENTION_WORKING = 3.11
+
+def score_elements(cfg, seq_len: int, sequence: int) -> float:
+  """Attention scores one (sequence, head) holds per device for a layer: (T/s) × T with the length split, else
+  what layers.causal_attention computes by blocks of query rows, each against the keys up to its last row."""
+  if sequence > 1 or cfg.attention_impl != "reference":
+    return seq_len / sequence * seq_len
+  block = layers.causal_block_size(seq_len)
+  return sum(min(block, seq_len - start) * min(start + block, seq_len) for start in range(0, seq_len, block))
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -259,7 +275,8 @@ def estimate(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int, seq_le
   if cfg.remat_policy != "none":  # one layer's forward is rebuilt during its backward
     stage_rows = rows / layout.stage_microbatches  # a pipeline stage recomputes one pipeline microbatch
     working += REMAT_WORKING * stage_rows * _per_layer(dataclasses.replace(cfg, remat_policy="none"), seq_len, t) / s
-    scores = ATTENTION_WORKING * stage_rows * cfg.num_heads / t * (seq_len / s) * seq_len * 4.0
+    copies = REFERENCE_ATTENTION_WORKING if cfg.attention_impl == "reference" else ATTENTION_WORKING
+    scores = copies * stage_rows * cfg.num_heads / t * score_elements(cfg, seq_len, s) * 4.0
     working += max(0.0, scores - loss_working)  # the loss's buffers and the scores are not live at once
   grads = 4.0 * p_dev * (UPDATE_TEMPS + (ACCUMULATOR_TEMPS if layout.num_microbatches > 1 else 0.0))
   inputs = 5 * 4.0 * global_batch * seq_len / (batch_ways * s)
