@@ -49,6 +49,7 @@ ACCUMULATOR_TEMPS = 1.31  # extra float32 parameter-sized buffers when NUM_MICRO
 ATTENTION_WORKING = 4.07
 REFERENCE_ATTENTION_WORKING = 3.11
 
+
 def score_elements(cfg, seq_len: int, sequence: int) -> float:
   """Attention scores one (sequence, head) holds per device for a layer: (T/s) × T with the length split, else
   what layers.causal_attention computes by blocks of query rows, each against the keys up to its last row."""
