@@ -200,6 +200,12 @@ def causal_block_size(length: int) -> int:
   return max(64, -(-length // 8))
 
 
+def causal_blocks(length: int, block: int = 0) -> list:
+  """The (start, end) query rows of causal_attention's blocks; block 0 = causal_block_size(length)."""
+  block = block or causal_block_size(length)
+  return [(start, min(start + block, length)) for start in range(0, length, block)]
+
+
 def causal_attention(q, k, v, mask, block: int = 0):
   """reference_attention for a causal mask (query i never reads a key after position i; q and k the same length),
   computed by blocks of `block` query rows (default causal_block_size), each against only the keys up to its
@@ -208,13 +214,10 @@ def causal_attention(q, k, v, mask, block: int = 0):
   (padding) gets a uniform softmax over the keys up to its block's end instead of all keys; such outputs are never
   read. When `length` is split over devices (context parallelism) slicing it would reshuffle the shards, so the
   full product is used."""
-  length = q.shape[1]
-  block = block or causal_block_size(length)
-  if block >= length or _length_is_split():
+  blocks = causal_blocks(q.shape[1], block)
+  if len(blocks) == 1 or _length_is_split():
     return reference_attention(q, k, v, mask)
   q, k, v = _heads_first(q, k, v)
-  outs = []
-  for start in range(0, length, block):
-    end = min(start + block, length)
-    outs.append(_attend(q[..., start:end, :], k[:, :, :end], v[:, :, :end], mask[:, :, start:end, :end]))
+  outs = [_attend(q[..., start:end, :], k[:, :, :end], v[:, :, :end], mask[:, :, start:end, :end])
+          for start, end in blocks]
   return _heads_last(jnp.concatenate(outs, axis=-2))

@@ -55,8 +55,7 @@ def score_elements(cfg, seq_len: int, sequence: int) -> float:
   what layers.causal_attention computes by blocks of query rows, each against the keys up to its last row."""
   if sequence > 1 or cfg.attention_impl != "reference":
     return seq_len / sequence * seq_len
-  block = layers.causal_block_size(seq_len)
-  return sum(min(block, seq_len - start) * min(start + block, seq_len) for start in range(0, seq_len, block))
+  return sum((end - start) * end for start, end in layers.causal_blocks(seq_len))
 
 
 @dataclasses.dataclass(frozen=True)
