@@ -14,12 +14,15 @@ accumulation within 1e-2 relative (8 mantissa bits).
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from t5x_like.model import layers
+from t5x_like.parallel import mesh as mesh_lib
+from t5x_like.parallel import partitioning
 
 B, T = 3, 8
 
@@ -91,3 +94,16 @@ def test_kernel_gradient_under_vmap(batched):
         x_in, k_in)
 
   assert_same(grad(layers.contract_trailing), grad(plain), 2e-6)
+
+
+@pytest.mark.parametrize("sequence", [1, 2])
+def test_rows_merged_unless_length_is_split(sequence):
+  """(batch, length) are merged into one row axis (and the kernel's gradient goes by _gram) unless the logical
+  rules put `length` on a mesh axis of more than one device, where the merge would reshuffle the shards."""
+  x, kernel = normal(0, (2, T, 6)), normal(1, (6, 10))
+  mesh = mesh_lib.create_mesh({"sequence": sequence}, jax.devices()[:sequence])
+  with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.DEFAULT_RULES):
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss(layers.contract_trailing, n_in=1), (0, 1)))(x, kernel))
+  merged = f"f32[{2 * T},6]" in jaxpr
+  assert merged == (sequence == 1)
+  assert ("custom_vjp_call" in jaxpr) == (sequence == 1)
