@@ -115,38 +115,32 @@ def _gram(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
   return barrier(jax.lax.dot(barrier(b.T), a, preferred_element_type=dtype)).T
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _kernel_grad(x: jax.Array, kernel_leading: bool, kernel_aval: jax.ShapeDtypeStruct,
-                 y_aval: jax.ShapeDtypeStruct, kernel: jax.Array) -> jax.Array:
-  """Zeros shaped like y = x (R, *in) · kernel, whose backward gives the kernel's gradient by `_gram`.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _with_kernel_grad(kernel_leading: bool, kernel_aval: jax.ShapeDtypeStruct, y: jax.Array, x: jax.Array,
+                      kernel: jax.Array) -> jax.Array:
+  """y = x (R, *in) · kernel, passed through unchanged; its backward gives the kernel's gradient by `_gram`.
 
-  contract_trailing adds this to the product of x and the gradient-stopped kernel: the forward product (and what
-  rematerialisation policies see of it) stays the plain dot; only the kernel's gradient is computed here. The kernel
-  is not a residual, so a layer scan does not stack a copy of the weights for the backward pass.
-  kernel_leading: the contracted axes are the kernel's leading ones (else its trailing ones)."""
-  del kernel_leading, kernel_aval
-  # Zeros that depend on x and the kernel: under vmap they are then batched like y, so the backward pass gets each
-  # example's own cotangent (zeros independent of them would be unbatched, and vmap would pass their sum). A select
-  # on a constant false, not a product with 0 (NaN-preserving, so never folded): XLA folds it to a constant and
-  # drops the addition, where a product would be added into every dense output.
-  pick = lambda a: jax.lax.select(jnp.zeros(a.shape, jnp.bool_), a, jnp.zeros_like(a))
-  zero = (pick(x.reshape(x.shape[0], -1)[:, :1]) + pick(kernel.reshape(-1)[:1])).astype(y_aval.dtype)
-  return jnp.broadcast_to(zero.reshape((x.shape[0],) + (1,) * (len(y_aval.shape) - 1)), y_aval.shape)
+  contract_trailing computes y with the kernel's gradient stopped: the forward product (and what rematerialisation
+  policies see of it) stays the plain dot, only the kernel's gradient is computed here. The kernel is not a
+  residual, so a layer scan does not stack a copy of the weights for the backward pass (`kernel_aval` gives its
+  shape and dtype). kernel_leading: the contracted axes are the kernel's leading ones (else its trailing ones)."""
+  del kernel_leading, kernel_aval, x, kernel
+  return y
 
 
-def _kernel_grad_fwd(x, kernel_leading, kernel_aval, y_aval, kernel):
-  return _kernel_grad(x, kernel_leading, kernel_aval, y_aval, kernel), x
+def _with_kernel_grad_fwd(kernel_leading, kernel_aval, y, x, kernel):
+  del kernel_leading, kernel_aval, kernel
+  return y, x
 
 
-def _kernel_grad_bwd(kernel_leading, kernel_aval, y_aval, x, g):
-  del y_aval
+def _with_kernel_grad_bwd(kernel_leading, kernel_aval, x, g):
   rows = x.shape[0]
   x2, g2 = x.reshape(rows, -1), g.reshape(rows, -1)
   grad = _gram(x2, g2, kernel_aval.dtype) if kernel_leading else _gram(g2, x2, kernel_aval.dtype)
-  return jnp.zeros_like(x), grad.reshape(kernel_aval.shape)
+  return g, jnp.zeros_like(x), grad.reshape(kernel_aval.shape)
 
 
-_kernel_grad.defvjp(_kernel_grad_fwd, _kernel_grad_bwd)
+_with_kernel_grad.defvjp(_with_kernel_grad_fwd, _with_kernel_grad_bwd)
 
 
 def contract_trailing(x: jax.Array, kernel: jax.Array, n_in: int, kernel_in: tuple = None,
@@ -167,8 +161,7 @@ def contract_trailing(x: jax.Array, kernel: jax.Array, n_in: int, kernel_in: tup
   leading, trailing = tuple(range(n_in)), tuple(range(kernel.ndim - n_in, kernel.ndim))
   if x.ndim == n_in + 1 and kernel_in in (leading, trailing) and jax.default_backend() == "cpu":
     y = jax.lax.dot_general(x, jax.lax.stop_gradient(kernel), dims, preferred_element_type=preferred_element_type)
-    y = y + _kernel_grad(x, kernel_in == leading, jax.ShapeDtypeStruct(kernel.shape, kernel.dtype),
-                         jax.ShapeDtypeStruct(y.shape, y.dtype), kernel)
+    y = _with_kernel_grad(kernel_in == leading, jax.ShapeDtypeStruct(kernel.shape, kernel.dtype), y, x, kernel)
   else:
     y = jax.lax.dot_general(x, kernel, dims, preferred_element_type=preferred_element_type)
   return y.reshape(lead + y.shape[1:]) if flat else y
