@@ -14,11 +14,18 @@ shapes (the model gin file's, vocabulary --vocab).
 Timing: wall-clock seconds per step, best of --rounds rounds of --steps steps after a warm-up, the two
 frameworks alternating round by round so a change in the machine's load hits both. `uptime`'s load average is
 printed: on a shared 2-core machine, numbers are only comparable at a load average near 0.
+
+The PyTorch loop runs in a child process of its own (never at the same time as t5x_like's), with the C library's
+malloc as a new user's script has it. t5x_like's side runs as the trainer does, with glibc set to keep freed memory
+(parallel/host_allocator.py, set by every entry point); `--torch_allocator=same` gives the PyTorch process the same
+settings, to show what they are worth to it.
 """
 
 import argparse
 import math
 import os
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -31,6 +38,7 @@ from torch.nn import functional as F
 import train_throughput  # bench/ is on sys.path when this file runs as a script
 
 from t5x_like.model import decoder as model_lib
+from t5x_like.parallel import host_allocator
 
 
 class Block(nn.Module):
@@ -89,6 +97,42 @@ class TorchLoop:
     return loss.item()
 
 
+class TorchProcess:
+  """TorchLoop in a child process (`--torch_worker`); `run(steps)` → (seconds per step, last loss)."""
+
+  def __init__(self, args, name: str, same_allocator: bool):
+    env = dict(os.environ)
+    if not same_allocator:
+      env[host_allocator.ENV] = "default"
+    cmd = [sys.executable, os.path.abspath(__file__), "--torch_worker", f"--models={name}", f"--vocab={args.vocab}",
+           f"--batch={args.batch}", f"--seq={args.seq}", f"--threads={args.threads}", f"--warmup={args.warmup}"]
+    self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    if self.proc.stdout.readline().strip() != "ready":
+      raise RuntimeError(f"the PyTorch worker for {name} did not start: {' '.join(cmd)}")
+
+  def run(self, steps: int) -> tuple:
+    self.proc.stdin.write(f"{steps}\n")
+    self.proc.stdin.flush()
+    seconds, loss = self.proc.stdout.readline().split()
+    return float(seconds), float(loss)
+
+  def close(self):
+    self.proc.stdin.close()
+    self.proc.wait()
+
+
+def torch_worker(args):
+  """The child process: builds the PyTorch loop, warms it up, then times `N` steps for every line `N` on stdin."""
+  torch.set_num_threads(args.threads)
+  cfg = train_throughput.model_config(args.models, dtype="float32", vocab_size=args.vocab)
+  loop = TorchLoop(cfg, train_throughput.synthetic_batch(args.batch, args.seq, cfg.vocab_size))
+  loop.run(args.warmup)
+  print("ready", flush=True)
+  for line in sys.stdin:
+    seconds, loss = seconds_per_step(loop, int(line))
+    print(f"{seconds} {loss}", flush=True)
+
+
 class T5xLoop:
   """t5x_like's trainer step, compiled once (bench/train_throughput.compiled_step); `run(steps)` → last loss."""
 
@@ -119,9 +163,13 @@ def main():
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
   parser.add_argument("--attention_impl", default="", help="t5x_like GPTConfig.attention_impl; '' = the config's")
+  parser.add_argument("--torch_allocator", default="default", choices=("default", "same"),
+                      help="the PyTorch process's malloc: glibc's defaults, or t5x_like's settings (host_allocator)")
+  parser.add_argument("--torch_worker", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
-  torch.set_num_threads(args.threads)
-  print(f"torch {torch.__version__} ({torch.get_num_threads()} threads); {os.cpu_count()} cores; "
+  if args.torch_worker:
+    return torch_worker(args)
+  print(f"torch {torch.__version__} ({args.threads} threads, malloc: {args.torch_allocator}); {os.cpu_count()} cores; "
         f"load average {os.getloadavg()[0]:.2f} at start; batch {args.batch} × {args.seq}\n")
   print("| model | params | t5x_like dtype | t5x_like tokens/s | PyTorch float32 tokens/s | ratio | loss t5x / torch |")
   print("|---|---:|---|---:|---:|---:|---|")
@@ -132,16 +180,16 @@ def main():
       overrides = {"attention_impl": args.attention_impl} if args.attention_impl else {}
       cfg = train_throughput.model_config(name, dtype=dtype, vocab_size=args.vocab, **overrides)
       if torch_loop is None:
-        torch_loop = TorchLoop(cfg, train_throughput.synthetic_batch(args.batch, args.seq, cfg.vocab_size))
-        torch_loop.run(args.warmup)
+        torch_loop = TorchProcess(args, name, same_allocator=args.torch_allocator == "same")
       t5x_loop, t5x_seconds = T5xLoop(cfg, args.batch, args.seq), math.inf
       t5x_loop.run(args.warmup)
       for _ in range(args.rounds):  # alternate: one t5x_like round, one PyTorch round
         seconds, t5x_loss = seconds_per_step(t5x_loop, args.steps)
         t5x_seconds = min(t5x_seconds, seconds)
-        seconds, torch_loss = seconds_per_step(torch_loop, args.steps)
+        seconds, torch_loss = torch_loop.run(args.steps)
         torch_seconds = min(torch_seconds, seconds)
       rows.append((dtype, model_lib.count_params(cfg), t5x_seconds, t5x_loss, torch_loss))
+    torch_loop.close()
     for dtype, params, t5x_seconds, t5x_loss, torch_loss in rows:  # against PyTorch's best round of all
       print(f"| {name} | {params / 1e6:.1f}M | {dtype} | {tokens / t5x_seconds:,.0f} | "
             f"{tokens / torch_seconds:,.0f} | {torch_seconds / t5x_seconds:.2f}× | {t5x_loss:.2f} / {torch_loss:.2f} |",

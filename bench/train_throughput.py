@@ -27,8 +27,10 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from t5x_like.parallel import distributed  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from t5x_like.parallel import host_allocator  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 distributed.set_cpu_xla_flags()  # the XLA:CPU flags the trainer runs with (before jax starts its backend)
+host_allocator.keep_freed_memory()  # as every entry point (cli.run) sets it
 
 import flax.linen as nn  # pylint: disable=g-import-not-at-top,g-bad-import-order
 import jax

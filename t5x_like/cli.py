@@ -13,6 +13,7 @@ import gin
 from t5x_like import errors
 from t5x_like.data import chat
 from t5x_like.model import decoder
+from t5x_like.parallel import host_allocator
 from t5x_like.training import optimizer
 from t5x_like.training import precision
 from t5x_like.training import config as train_config_lib
@@ -175,7 +176,9 @@ class _QuietLibraries:
 def run(main: Callable) -> None:
   """absl app.run with --gin.X rewriting; a user error (bad file, key or value, a missing optional
   dependency) exits 1 with a one-line reason, not a traceback (T5X_LIKE_TRACEBACK=1 raises it,
-  --verbosity=1 logs it)."""
+  --verbosity=1 logs it). Before anything starts the jax backend, glibc's malloc is set to keep freed memory
+  for the next step (parallel/host_allocator.py)."""
+  host_allocator.keep_freed_memory()
 
   def wrapped(argv):
     logging.get_absl_handler().addFilter(_QuietLibraries())
