@@ -39,7 +39,7 @@ def _on_cpu() -> bool:
 
 def windowed(x: jax.Array) -> tuple:
   """(x viewed as (..., D/32^k, 32, ..., 32), the axes that view spans) when that keeps a reduction over the last
-  axis (D = 512: (16, 32); 8,192: (8, 32, 32)) whole on XLA:CPU, else (x, (-1,)).
+  axis (D = 512: (16, 32); 8,192: (8, 32, 32)) whole on XLA:CPU, else (x, (x.ndim - 1,)).
 
   XLA:CPU's tree-reduction rewrite turns a reduction over an axis longer than 32 into an unfused reduce-window pass
   and a second reduce, materialising the reduced operand first; over axes of at most 32 each the reduction stays
