@@ -13,6 +13,7 @@ import gin
 from t5x_like import errors
 from t5x_like.data import chat
 from t5x_like.model import decoder
+from t5x_like.parallel import distributed
 from t5x_like.parallel import host_allocator
 from t5x_like.training import optimizer
 from t5x_like.training import precision
@@ -176,8 +177,10 @@ class _QuietLibraries:
 def run(main: Callable) -> None:
   """absl app.run with --gin.X rewriting; a user error (bad file, key or value, a missing optional
   dependency) exits 1 with a one-line reason, not a traceback (T5X_LIKE_TRACEBACK=1 raises it,
-  --verbosity=1 logs it). Before anything starts the jax backend, glibc's malloc is set to keep freed memory
-  for the next step (parallel/host_allocator.py)."""
+  --verbosity=1 logs it). Before anything starts the jax backend, XLA:CPU gets the run's flags
+  (distributed.set_cpu_xla_flags) and glibc's malloc is set to keep freed memory for the next step
+  (parallel/host_allocator.py)."""
+  distributed.set_cpu_xla_flags()
   host_allocator.keep_freed_memory()
 
   def wrapped(argv):

@@ -6,6 +6,8 @@ Markers and options live in pytest.ini at the repository root.
 import os
 import tempfile
 
+from t5x_like.parallel import distributed  # pylint: disable=g-import-not-at-top  (imports jax; no backend starts)
+
 # Tests compile many tiny programs: XLA:CPU's compile time, not their run time, is what a test run waits
 # for, so LLVM's optimisation is turned down (about 40% less time; the same results at the tests'
 # tolerances, both sides of every comparison compiled alike). Subprocesses get these flags via xla_flags().
@@ -13,9 +15,11 @@ FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expe
 
 
 def xla_flags(devices: int = 8) -> str:
-  """XLA_FLAGS for a test process with `devices` fake CPU devices (0: the real device count)."""
+  """XLA_FLAGS for a test process with `devices` fake CPU devices (0: the real device count), and the XLA:CPU flags
+  every entry point runs with (distributed.cpu_xla_flags), so in-process tests compute as the CLI runs they
+  compare with."""
   fake = f" --xla_force_host_platform_device_count={devices}" if devices else ""
-  return FAST_COMPILE_FLAGS + fake
+  return " ".join((FAST_COMPILE_FLAGS,) + distributed.cpu_xla_flags()) + fake
 
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()

@@ -1,5 +1,7 @@
 """Model behaviour: causality, document isolation, parameter count, config validation (decoding: test_decoding.py)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,3 +57,25 @@ def test_config_validation_names_the_field():
     model_lib.GPTConfig(d_model=30, num_heads=4).validate()
   with pytest.raises(ValueError, match="remat_policy"):
     model_lib.GPTConfig(remat_policy="sometimes").validate()
+  with pytest.raises(ValueError, match="scan_unroll"):
+    model_lib.GPTConfig(scan_unroll=-1).validate()
+
+
+def _loss_and_grads(cfg, tokens):
+  loss = lambda p: jnp.mean(jax.nn.log_softmax(model_lib.GPT(cfg).apply({"params": p}, tokens))[..., 0])
+  return jax.jit(jax.value_and_grad(loss))
+
+
+@pytest.mark.parametrize("unroll", [0, 2])
+def test_unrolled_layer_scan_equals_the_rolled_loop_and_has_no_loop(params, unroll):
+  """scan_unroll only changes how the layer stack is compiled: on CPU, auto (0) and 2 = every layer of CFG's 2
+  unrolled (no while loop left in the step), with the rolled loop's (1) loss and gradients."""
+  tokens = np.random.RandomState(2).randint(0, 128, (2, 16)).astype(np.int32)
+  rolled_cfg, unrolled_cfg = dataclasses.replace(CFG, scan_unroll=1), dataclasses.replace(CFG, scan_unroll=unroll)
+  assert unrolled_cfg.layer_unroll == 2 and rolled_cfg.layer_unroll == 1
+  rolled_fn, unrolled_fn = _loss_and_grads(rolled_cfg, tokens), _loss_and_grads(unrolled_cfg, tokens)
+  assert "while" in rolled_fn.lower(params).as_text() and "while" not in unrolled_fn.lower(params).as_text()
+  (rolled_loss, rolled_grads), (loss, grads) = rolled_fn(params), unrolled_fn(params)
+  np.testing.assert_allclose(loss, rolled_loss, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(rolled_grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

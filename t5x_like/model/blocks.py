@@ -154,7 +154,8 @@ def block_fn(config: GPTConfig):
 
 
 def run_blocks(config: GPTConfig, stacked_params, x, mask, positions, token_stats=None, rng=None):
-  """Runs the stacked blocks (leading LAYERS axis) in order with lax.scan. x: (B, T, D); positions (B, T).
+  """Runs the stacked blocks (leading LAYERS axis) in order with lax.scan (unrolled per GPTConfig.layer_unroll).
+  x: (B, T, D); positions (B, T).
 
   Returns (x, None) for a dense model; with experts (x, moe.MoeStats): per-token statistics summed over the
   layers (added to `token_stats` when given, as a pipeline stage continues its predecessor's) and the expert
@@ -164,7 +165,7 @@ def run_blocks(config: GPTConfig, stacked_params, x, mask, positions, token_stat
   keys = None if rng is None else jax.random.split(rng, jax.tree.leaves(stacked_params)[0].shape[0])
   if not config.num_experts:
     return jax.lax.scan(lambda h, xs: (fn(xs[0], h, mask, positions, xs[1])[0], None), x,
-                        (stacked_params, keys))[0], None
+                        (stacked_params, keys), unroll=config.layer_unroll)[0], None
   if token_stats is None:
     token_stats = jnp.zeros(x.shape[:2] + (len(moe.TOKEN_STATS),), jnp.float32)
 
@@ -173,7 +174,7 @@ def run_blocks(config: GPTConfig, stacked_params, x, mask, positions, token_stat
     h, (token, load) = fn(xs[0], h, mask, positions, xs[1])
     return (h, acc + token), load
 
-  (x, token_stats), loads = jax.lax.scan(body, (x, token_stats), (stacked_params, keys))
+  (x, token_stats), loads = jax.lax.scan(body, (x, token_stats), (stacked_params, keys), unroll=config.layer_unroll)
   return x, moe.MoeStats(token=token_stats, load=loads)
 
 

@@ -100,7 +100,8 @@ class GPT(nn.Module):
       return h, (k_new, v_new)
 
     by_unit = lambda c: c.reshape((c.shape[0] // n, n) + c.shape[1:]) if n > 1 else c  # (L/N, N, ...) per unit
-    x, (k, v) = jax.lax.scan(body, x, (blocks, by_unit(cache["k"]), by_unit(cache["v"])))
+    x, (k, v) = jax.lax.scan(body, x, (blocks, by_unit(cache["k"]), by_unit(cache["v"])),
+                             unroll=self.config.layer_unroll)
     by_layer = lambda c: c.reshape((-1,) + c.shape[2:]) if n > 1 else c
     return x, {"k": by_layer(k), "v": by_layer(v), "segment_ids": seg}
 
@@ -155,7 +156,7 @@ def count_params(config: GPTConfig) -> int:
 
 def shape_only(config: GPTConfig) -> GPTConfig:
   """The config with only the fields that fix parameter shapes kept (a cache key for abstract inits)."""
-  return dataclasses.replace(config, remat_policy="none", num_stages=1, pipeline_microbatches=0, pipeline_repeats=1,
+  return dataclasses.replace(config, remat_policy="none", scan_unroll=1, num_stages=1, pipeline_microbatches=0, pipeline_repeats=1,
                              attention_impl="reference", dtype="bfloat16")
 
 

@@ -1,6 +1,7 @@
 """Multi-process start-up through JAX's own runtime (`jax.distributed`), before anything touches devices."""
 
 import faulthandler
+import importlib.metadata
 import os
 import sys
 import threading
@@ -21,6 +22,9 @@ from t5x_like import errors
 # float32 one-hot select and the transposed logits gradient; dots only takes 20-26% off a gpt_tiny training step
 # (docs/performance.md, bench/torch_reference.py).
 CPU_XLA_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=dot",)
+# The jaxlib releases whose XLA is known to have CPU_XLA_FLAGS: XLA aborts at start-up on a flag it does not know, so
+# under any other jaxlib a run starts without them (set_cpu_xla_flags does nothing) until they are checked against it.
+CPU_XLA_FLAGS_JAXLIB = ("0.10.",)
 
 # Environment variables that mean "a cluster launched us" and that jax.distributed can read by itself.
 _AUTO_DETECT_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
@@ -76,10 +80,21 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
   return True
 
 
+def cpu_xla_flags() -> tuple:
+  """CPU_XLA_FLAGS under a jaxlib release of CPU_XLA_FLAGS_JAXLIB, else () (read from the package metadata: nothing
+  is imported and no backend starts)."""
+  try:
+    version = importlib.metadata.version("jaxlib")
+  except importlib.metadata.PackageNotFoundError:
+    return ()
+  return CPU_XLA_FLAGS if version.startswith(CPU_XLA_FLAGS_JAXLIB) else ()
+
+
 def set_cpu_xla_flags() -> None:
-  """Appends CPU_XLA_FLAGS to $XLA_FLAGS, except those it already sets; call before any jax computation."""
+  """Appends cpu_xla_flags() to $XLA_FLAGS, except those it already sets; every entry point calls it (cli.run)
+  before the backend starts, and so do the benches."""
   current = os.environ.get("XLA_FLAGS", "")
-  extra = [flag for flag in CPU_XLA_FLAGS if flag.split("=")[0] not in current]
+  extra = [flag for flag in cpu_xla_flags() if flag.split("=")[0] not in current]
   if extra:
     os.environ["XLA_FLAGS"] = " ".join([current] + extra).strip()
 

@@ -298,13 +298,16 @@ def compile_train_step(cfg: model_lib.GPTConfig, layout: Layout, global_batch: i
   objective, loss options, precision, shardings, donation and optimizer offload) for abstract inputs.
 
   Needs `layout.num_devices` devices (on CPU: `jax_num_cpu_devices` / XLA_FLAGS set before jax starts).
-  Returns the `jax.stages.Compiled`; nothing is allocated.
+  The CPU mesh stands in for the accelerators: GPTConfig.scan_unroll's auto (every layer unrolled on CPU) is
+  compiled as the rolled layer loop an accelerator runs, which `estimate` models. Returns the `jax.stages.Compiled`;
+  nothing is allocated.
   """
   devices = list(devices if devices is not None else jax.devices())[:layout.num_devices]
   if len(devices) < layout.num_devices:
     raise ValueError(f"layout {layout.describe()} needs {layout.num_devices} devices, {len(devices)} available")
   mesh = mesh_lib.create_mesh(layout.mesh_shape, devices)
   cfg = layout_config(cfg, layout)
+  cfg = dataclasses.replace(cfg, scan_unroll=cfg.scan_unroll or 1)
   cfg.validate()
   config_lib.check_layout(cfg, layout.mesh_shape, rules, batch_size=global_batch,
                           num_microbatches=layout.num_microbatches)

@@ -30,8 +30,8 @@ from t5x_like.training.objectives import language_model
 TEACHER = "teacher"  # the frozen teacher's key in `frozen`
 MODEL_CONFIG_FILES = ("model.gin", "config.gin")  # a converted checkpoint's model.gin, a run's operative config
 # GPTConfig fields that fix execution, not the function: taken from this run's config, never the teacher's file.
-EXECUTION_FIELDS = ("dtype", "remat_policy", "attention_impl", "num_stages", "pipeline_microbatches",
-                    "pipeline_repeats", "lora_dropout")
+EXECUTION_FIELDS = ("dtype", "remat_policy", "scan_unroll", "attention_impl", "num_stages",
+                    "pipeline_microbatches", "pipeline_repeats", "lora_dropout")
 _BINDING = re.compile(r"^(?:[\w.]+\.)?GPTConfig\.(\w+)\s*=\s*(.+)$")
 _MACRO = re.compile(r"^([A-Z][A-Z0-9_]*)\s*=\s*(.+)$")
 
