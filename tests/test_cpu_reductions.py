@@ -96,6 +96,16 @@ def test_add_bias_gradient():
   np.testing.assert_allclose(ours, jnp.sum(cot, axis=(0, 1)), rtol=1e-5, atol=1e-5)
 
 
+def test_bias_gradient_is_a_product_with_ones_on_cpu():
+  """The bias's gradient (add_bias → sum_rows) is a dot_general over the merged rows, not a reduce_sum, which
+  XLA:CPU would rewrite into an unfused reduce-window pass."""
+  bias, y = _rand(64), _rand(4, 16, 64, seed=4)
+  jaxpr = str(jax.make_jaxpr(jax.grad(lambda b: jnp.sum(layers.add_bias(y, b) ** 2)))(bias))
+  plain = str(jax.make_jaxpr(jax.grad(lambda b: jnp.sum((y + b) ** 2)))(bias))
+  assert "dot_general" in jaxpr and "reduce_sum" not in jaxpr.split("dot_general")[-1], jaxpr
+  assert "reduce_sum" in plain and "dot_general" not in plain
+
+
 def test_scale_shift_and_sum_rows_gradients():
   y, scale, shift = _rand(2, 8, 3, 4), _rand(3, 4, seed=1), _rand(3, 4, seed=2)
   cot = _rand(2, 8, 3, 4, seed=3)
