@@ -156,8 +156,8 @@ def count_params(config: GPTConfig) -> int:
 
 def shape_only(config: GPTConfig) -> GPTConfig:
   """The config with only the fields that fix parameter shapes kept (a cache key for abstract inits)."""
-  return dataclasses.replace(config, remat_policy="none", scan_unroll=1, num_stages=1, pipeline_microbatches=0, pipeline_repeats=1,
-                             attention_impl="reference", dtype="bfloat16")
+  return dataclasses.replace(config, remat_policy="none", scan_unroll=1, num_stages=1, pipeline_microbatches=0,
+                             pipeline_repeats=1, attention_impl="reference", dtype="bfloat16")
 
 
 @functools.lru_cache(maxsize=32)
