@@ -16,6 +16,8 @@ is only the output projection's small softmax terms), Adam still amplifies a 1e-
 import dataclasses
 import functools
 import os
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -336,3 +338,19 @@ def test_cpu_xla_flags_only_under_a_jaxlib_that_knows_them(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
   distributed.set_cpu_xla_flags()
   assert distributed.cpu_xla_flags() == () and os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+
+
+def test_every_entry_point_starts_with_the_cpu_xla_flags():
+  """cli.run (every `python -m t5x_like.*`) appends cpu_xla_flags() to XLA_FLAGS before anything starts the backend."""
+  from t5x_like.parallel import distributed  # pylint: disable=g-import-not-at-top
+  script = ("import atexit, os, sys\n"
+            "atexit.register(lambda: print('XLA_FLAGS=' + os.environ.get('XLA_FLAGS', '')))\n"
+            "from t5x_like import cli\n"
+            "sys.argv = ['prog', '--help']\n"
+            "cli.run(lambda argv: None)\n")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  flags_line = [line for line in out.stdout.splitlines() if line.startswith("XLA_FLAGS=")][-1]
+  assert flags_line.split("=", 1)[1].split() == ["--xla_force_host_platform_device_count=1",
+                                                  *distributed.cpu_xla_flags()]
