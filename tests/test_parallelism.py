@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import pytest
 
+from t5x_like.parallel import distributed
 from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.model import config as config_lib
 from t5x_like.model import decoder as model_lib
@@ -318,7 +319,6 @@ def test_tensor_is_never_split_over_slices():
 
 
 def test_cpu_xla_flags_are_added_once_and_never_override_the_users(monkeypatch):
-  from t5x_like.parallel import distributed  # pylint: disable=g-import-not-at-top
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
   distributed.set_cpu_xla_flags()
   distributed.set_cpu_xla_flags()
@@ -332,7 +332,6 @@ def test_cpu_xla_flags_are_added_once_and_never_override_the_users(monkeypatch):
 def test_cpu_xla_flags_only_under_a_jaxlib_that_knows_them(monkeypatch):
   """XLA aborts on a flag it does not know: a jaxlib outside CPU_XLA_FLAGS_JAXLIB (or none) starts without them."""
   import importlib.metadata  # pylint: disable=g-import-not-at-top
-  from t5x_like.parallel import distributed  # pylint: disable=g-import-not-at-top
   assert distributed.cpu_xla_flags() == distributed.CPU_XLA_FLAGS  # this machine's jaxlib 0.10.x
   monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.11.0")
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
@@ -342,7 +341,6 @@ def test_cpu_xla_flags_only_under_a_jaxlib_that_knows_them(monkeypatch):
 
 def test_every_entry_point_starts_with_the_cpu_xla_flags():
   """cli.run (every `python -m t5x_like.*`) appends cpu_xla_flags() to XLA_FLAGS before anything starts the backend."""
-  from t5x_like.parallel import distributed  # pylint: disable=g-import-not-at-top
   script = ("import atexit, os, sys\n"
             "atexit.register(lambda: print('XLA_FLAGS=' + os.environ.get('XLA_FLAGS', '')))\n"
             "from t5x_like import cli\n"
