@@ -242,7 +242,7 @@ def contract_trailing(x: jax.Array, kernel: jax.Array, n_in: int, kernel_in: tup
     x = x.reshape((-1,) + x.shape[x.ndim - n_in:])
   dims = ((tuple(range(x.ndim - n_in, x.ndim)), kernel_in), ((), ()))
   leading, trailing = tuple(range(n_in)), tuple(range(kernel.ndim - n_in, kernel.ndim))
-  if x.ndim == n_in + 1 and kernel_in in (leading, trailing) and jax.default_backend() == "cpu":
+  if x.ndim == n_in + 1 and kernel_in in (leading, trailing) and _on_cpu():
     y = jax.lax.dot_general(x, jax.lax.stop_gradient(kernel), dims, preferred_element_type=preferred_element_type)
     y = _with_kernel_grad(kernel_in == leading, jax.ShapeDtypeStruct(kernel.shape, kernel.dtype), y, x, kernel)
   else:
