@@ -15,6 +15,9 @@ Timing: wall-clock seconds per step, best of --rounds rounds of --steps steps af
 frameworks alternating round by round so a change in the machine's load hits both. `uptime`'s load average is
 printed: on a shared 2-core machine, numbers are only comparable at a load average near 0.
 
+Last, each framework's float32 GEMM alone on the forward's dense shapes (XLA's dot in this process, torch.mm in the
+PyTorch worker): how much of the ratio is the GEMM library on this CPU rather than the step around it.
+
 The PyTorch loop runs in a child process of its own (never at the same time as t5x_like's), with the C library's
 malloc as a new user's script has it. t5x_like's side runs as the trainer does, with glibc set to keep freed memory
 (parallel/host_allocator.py, set by every entry point); `--torch_allocator=same` gives the PyTorch process the same
@@ -35,7 +38,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-import train_throughput  # bench/ is on sys.path when this file runs as a script
+import train_throughput  # bench/ is on sys.path when this file runs as a script (it sets the CPU flags first)
+
+import jax  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 from t5x_like.model import decoder as model_lib
 from t5x_like.parallel import host_allocator
@@ -116,6 +121,12 @@ class TorchProcess:
     seconds, loss = self.proc.stdout.readline().split()
     return float(seconds), float(loss)
 
+  def gemm_rate(self) -> float:
+    """gemm_rate of torch.mm on the model's gemm_shapes, in the worker (its threads, its malloc)."""
+    self.proc.stdin.write("gemm\n")
+    self.proc.stdin.flush()
+    return float(self.proc.stdout.readline())
+
   def close(self):
     self.proc.stdin.close()
     self.proc.wait()
@@ -129,6 +140,9 @@ def torch_worker(args):
   loop.run(args.warmup)
   print("ready", flush=True)
   for line in sys.stdin:
+    if line.strip() == "gemm":
+      print(gemm_rate(torch_product, gemm_shapes(cfg, args.batch * args.seq)), flush=True)
+      continue
     seconds, loss = seconds_per_step(loop, int(line))
     print(f"{seconds} {loss}", flush=True)
 
@@ -143,6 +157,45 @@ class T5xLoop:
     for _ in range(steps):  # no host sync inside the loop, as the trainer between log steps
       self.state, metrics = self.step(self.state, self.data)
     return float(metrics["loss"])
+
+
+def gemm_shapes(cfg: model_lib.GPTConfig, rows: int) -> list:
+  """(m, k, n) of the forward's dense products for `rows` tokens: q/k/v, attention output, MLP in and out, logits."""
+  d = cfg.d_model
+  return [(rows, d, 3 * d), (rows, d, d), (rows, d, cfg.d_ff), (rows, cfg.d_ff, d), (rows, d, cfg.vocab_size)]
+
+
+def gemm_rate(product, shapes: list, reps: int = 5) -> float:
+  """float32 GFLOP/s over `shapes`: their FLOPs over the sum of each one's best of 3 × `reps` products.
+  product(m, k, n) returns a callable that computes one (m, k) · (k, n) product of random operands and waits for it.
+  The GEMM library's speed on this CPU, the part of the step ratio that does not come from the step's own code."""
+  flop, seconds = 0, 0.0
+  for m, k, n in shapes:
+    run = product(m, k, n)
+    run()
+    best = math.inf
+    for _ in range(3):
+      t0 = time.perf_counter()
+      for _ in range(reps):
+        run()
+      best = min(best, (time.perf_counter() - t0) / reps)
+    flop, seconds = flop + 2 * m * k * n, seconds + best
+  return flop / seconds / 1e9
+
+
+def _random(shape) -> np.ndarray:
+  return np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+
+
+def torch_product(m, k, n):
+  a, b = torch.from_numpy(_random((m, k))), torch.from_numpy(_random((k, n)))
+  return lambda: torch.mm(a, b)
+
+
+def xla_product(m, k, n):
+  a, b = jax.device_put(_random((m, k))), jax.device_put(_random((k, n)))
+  dot = jax.jit(lambda x, y: x @ y)
+  return lambda: dot(a, b).block_until_ready()
 
 
 def seconds_per_step(loop, steps: int) -> tuple:
@@ -174,6 +227,7 @@ def main():
   print("| model | params | t5x_like dtype | t5x_like tokens/s | PyTorch float32 tokens/s | ratio | loss t5x / torch |")
   print("|---|---:|---|---:|---:|---:|---|")
   tokens = args.batch * args.seq
+  gemm_lines = []
   for name in args.models.split(","):
     torch_loop, torch_seconds, rows = None, math.inf, []
     for dtype in args.dtypes.split(","):
@@ -189,12 +243,15 @@ def main():
         seconds, torch_loss = torch_loop.run(args.steps)
         torch_seconds = min(torch_seconds, seconds)
       rows.append((dtype, model_lib.count_params(cfg), t5x_seconds, t5x_loss, torch_loss))
+    shapes = gemm_shapes(cfg, tokens)
+    gemm_lines.append(f"{name}: XLA {gemm_rate(xla_product, shapes):.0f}, PyTorch {torch_loop.gemm_rate():.0f} GFLOP/s")
     torch_loop.close()
     for dtype, params, t5x_seconds, t5x_loss, torch_loss in rows:  # against PyTorch's best round of all
       print(f"| {name} | {params / 1e6:.1f}M | {dtype} | {tokens / t5x_seconds:,.0f} | "
             f"{tokens / torch_seconds:,.0f} | {torch_seconds / t5x_seconds:.2f}× | {t5x_loss:.2f} / {torch_loss:.2f} |",
             flush=True)
-  print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
+  print(f"\nfloat32 GEMMs alone on the forward's dense shapes ({args.threads} threads): " + "; ".join(gemm_lines))
+  print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 
 if __name__ == "__main__":
