@@ -108,7 +108,6 @@ def main(argv) -> None:
 
 def run() -> None:
   """Entry point: a user error prints one line and exits 1 (T5X_LIKE_TRACEBACK=1 shows the traceback)."""
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
   cli.run(main)
 
 

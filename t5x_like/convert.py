@@ -6,11 +6,7 @@
       [--gin_file=... --gin.NAME=VALUE]   (default model config: MODEL_DIR/model.gin, else MODEL_DIR/config.gin)
 """
 
-import os
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
-from absl import flags  # pylint: disable=g-import-not-at-top
+from absl import flags
 import tensorflow as tf
 
 from t5x_like import cli as gin_utils

@@ -7,11 +7,8 @@ final assistant turn, or `completion`): exact match, and the teacher-forced loss
 
 import dataclasses
 import json
-import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
-from absl import flags  # pylint: disable=g-import-not-at-top
+from absl import flags
 
 from t5x_like import cli as gin_utils
 from t5x_like import files

@@ -5,12 +5,9 @@ each output line is {"messages": [the prompt turns..., {"role": "assistant", "co
 """
 
 import json
-import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
-from absl import flags  # pylint: disable=g-import-not-at-top
+from absl import flags
 
 from t5x_like import cli as gin_utils
 from t5x_like import files

@@ -1,11 +1,8 @@
 """`python -m t5x_like.train --gin_file=... [--gin.NAME=VALUE ...]`: flags → gin → trainer.train()."""
 
-import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
-from absl import flags  # pylint: disable=g-import-not-at-top
+from absl import flags
 from absl import logging
 import jax
 
