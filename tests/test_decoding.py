@@ -153,6 +153,8 @@ def nucleus(logits: np.ndarray, p: float) -> list:
     probs /= probs.sum()
     order = np.argsort(-probs)
     n = int(np.searchsorted(np.cumsum(probs[order]), p)) + 1  # first prefix with mass ≥ p
+    # at p = 1 the prefix sums may end a rounding error below 1; tokens of probability 0 are never needed
+    n = min(n, int(np.count_nonzero(probs)))
     out.append(set(order[:n].tolist()))
   return out
 
