@@ -31,8 +31,6 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "speed":
   _DEVICES = next((a.split("=")[1] for a in sys.argv if a.startswith("--devices=")), "8")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + f" --xla_force_host_platform_device_count={_DEVICES}").strip()
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
 import dataclasses  # pylint: disable=g-import-not-at-top,g-bad-import-order
 import functools
 import time

@@ -38,8 +38,6 @@ if "--bubble_only" in sys.argv:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + BUBBLE_XLA_FLAGS).strip()
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
 import dataclasses  # pylint: disable=g-import-not-at-top,g-bad-import-order
 import functools
 import time

@@ -31,9 +31,7 @@ import subprocess
 import sys
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
-import numpy as np  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F

@@ -24,8 +24,6 @@ import json
 import os
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
 from t5x_like.parallel import distributed  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from t5x_like.parallel import host_allocator  # pylint: disable=g-import-not-at-top,g-bad-import-order
 

@@ -23,7 +23,6 @@ def xla_flags(devices: int = 8) -> str:
 
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent JAX compilation cache for the test run and every process it launches (CLI runs, the
 # two-process tests): a step compiled once is loaded, not recompiled, by the next launch of the same config.
