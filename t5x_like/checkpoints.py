@@ -23,7 +23,7 @@ import numpy as np
 
 from t5x_like import cli
 from t5x_like.training import checkpointing as checkpoints
-from t5x_like.training import lora
+from t5x_like.posttrain import lora
 
 flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest committed one).")
 flags.DEFINE_string("output_dir", None, "merge_lora: the directory the merged checkpoint is written to.")

@@ -2,7 +2,7 @@
 
 `--generate --prompt_file=IN.jsonl`: answer each conversation greedily and score it against its reference (the
 final assistant turn, or `completion`): exact match, and the teacher-forced loss on the references
-(training/chat_eval.py). The report is one JSON object (stdout, and --output_file).
+(inference/chat_eval.py). The report is one JSON object (stdout, and --output_file).
 """
 
 import dataclasses
@@ -15,7 +15,7 @@ from t5x_like import files
 from t5x_like.data import chat
 from t5x_like.data import tokenizer
 from t5x_like.model import decoder as model
-from t5x_like.training import chat_eval
+from t5x_like.inference import chat_eval
 from t5x_like.training import optimizer
 from t5x_like.training import experiment
 

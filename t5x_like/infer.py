@@ -1,6 +1,6 @@
 """`python -m t5x_like.infer --gin_file=... --gin.MODEL_DIR=... --prompt=... [--tokenizer=...]`: sample text from the latest checkpoint.
 
-`--chat --prompt_file=IN.jsonl [--output_file=OUT.jsonl]`: answer conversations (training/chat_eval.py);
+`--chat --prompt_file=IN.jsonl [--output_file=OUT.jsonl]`: answer conversations (inference/chat_eval.py);
 each output line is {"messages": [the prompt turns..., {"role": "assistant", "content": <generated>}]}.
 """
 
@@ -13,7 +13,7 @@ from t5x_like import cli as gin_utils
 from t5x_like import files
 from t5x_like.data import chat
 from t5x_like.model import decoder as model
-from t5x_like.training import chat_eval
+from t5x_like.inference import chat_eval
 from t5x_like.training import optimizer
 from t5x_like.training import experiment
 

@@ -1,7 +1,7 @@
 """The import graph of t5x_like, read from the source (nothing is imported): `python tests/import_graph.py`.
 
 Prints each module's line count and t5x_like imports, then the checks tests/test_imports.py enforces:
-no import cycle, no t5x_like import inside a function, no `jax._src`, nothing imports an entry point,
+no module over 450 lines, no import cycle, no t5x_like import inside a function, no `jax._src`, nothing imports an entry point,
 and subpackages import only the layers below them. Root-level modules other than the entry points and
 cli.py (`t5x_like/errors.py`, `t5x_like/files.py`) are helpers every layer may import; they import no
 other layer.
@@ -12,7 +12,9 @@ import os
 import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "t5x_like")
-ENTRY_POINTS = {"train", "preprocess", "infer", "evaluate", "convert", "checkpoints", "plot", "plan"}
+ENTRY_POINTS = {"train", "preprocess", "infer", "evaluate", "convert", "checkpoints", "plot", "plan", "serve", "sweep",
+                "scaling"}
+MAX_LINES = 450  # a module past this is split along a clear seam (DESIGN.md)
 # What each layer may import (besides itself and the root-level helpers).
 ALLOWED = {
     "root": set(),
@@ -21,9 +23,12 @@ ALLOWED = {
     "model": {"parallel"},
     "observe": {"model", "data", "parallel"},
     "training": {"observe", "model", "data", "parallel"},
+    "inference": {"training", "observe", "model", "data", "parallel"},
+    "posttrain": {"inference", "training", "observe", "model", "data", "parallel"},
+    "recipes": {"posttrain", "inference", "training", "observe", "model", "data", "parallel"},
     "planning": {"training", "observe", "model", "parallel"},
-    "interop": {"training", "model", "data", "parallel"},
-    "cli": {"training", "model", "observe", "data", "parallel"},
+    "interop": {"posttrain", "training", "model", "data", "parallel"},
+    "cli": {"recipes", "posttrain", "inference", "training", "model", "observe", "data", "parallel"},
 }
 
 
@@ -83,6 +88,9 @@ def graph() -> tuple:
   edges, problems = {}, []
   for name, path in sorted(known.items()):
     top, nested, private = scan(path, known)
+    lines = sum(1 for _ in open(path, encoding="utf-8"))
+    if lines > MAX_LINES:
+      problems.append(f"{name} has {lines} lines (more than {MAX_LINES}): split it along a clear seam")
     edges[name] = sorted(t for t in top if t != name and t != "t5x_like")
     for lineno, target in nested:
       problems.append(f"{name}:{lineno} imports {target} inside a function")
@@ -141,7 +149,7 @@ def main() -> int:
     short = [e.replace("t5x_like.", "") for e in edges[name]]
     print(f"{lines:5d}  {name:40s} → {', '.join(short) or '-'}")
   print(f"{total:5d}  lines in {len(known)} modules")
-  print("\n".join(problems) if problems else "no cycles, no function-level imports, no jax._src, layering kept")
+  print("\n".join(problems) if problems else "no cycles, no function-level imports, no jax._src, layering kept, no module over 450 lines")
   return 1 if problems else 0
 
 

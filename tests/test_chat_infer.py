@@ -20,7 +20,7 @@ from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.model import decoder as model_lib
 from t5x_like.model import decoding
 from t5x_like.parallel import partitioning
-from t5x_like.training import chat_eval
+from t5x_like.inference import chat_eval
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
 from t5x_like.training import experiment as experiment_lib

@@ -27,7 +27,7 @@ from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import step as step_lib
 from t5x_like.training import train_state
 from t5x_like.training import trainer
-from t5x_like.training.objectives import distill
+from t5x_like.posttrain import distill
 
 # ----------------------------------------------------------------------------------------------------
 # The loss against NumPy: stand-in models whose logits after token t are row t of a table; the last vocabulary

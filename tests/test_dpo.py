@@ -30,7 +30,7 @@ from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import step as step_lib
 from t5x_like.training import train_state
 from t5x_like.training import trainer
-from t5x_like.training.objectives import preference
+from t5x_like.posttrain import preference
 
 TINY = model_lib.GPTConfig(num_layers=2, num_heads=4, d_model=64, d_ff=256, max_len=64, dtype="float32")
 SEQ = 64

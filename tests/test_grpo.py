@@ -17,16 +17,16 @@ from tests.test_finetune import CHAT_MODEL, chat_sft_run, model_params, reverse_
 
 from t5x_like.data import chat
 from t5x_like.model import decoder as model_lib
-from t5x_like.training import chat_eval
+from t5x_like.inference import chat_eval
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
 from t5x_like.training import experiment as experiment_lib
 from t5x_like.training import optimizer as optimizer_lib
-from t5x_like.training import rewards
-from t5x_like.training import rollout
+from t5x_like.posttrain import rewards
+from t5x_like.posttrain import rollout
 from t5x_like.training import step as step_lib
 from t5x_like.training import trainer
-from t5x_like.training.objectives import grpo
+from t5x_like.posttrain import grpo
 from t5x_like.training.train_state import TrainState
 
 # ----------------------------------------------------------------------------------------------------

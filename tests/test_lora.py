@@ -30,7 +30,7 @@ from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
 from t5x_like.training import experiment as experiment_lib
-from t5x_like.training import lora
+from t5x_like.posttrain import lora
 from t5x_like.training import step as step_lib
 from t5x_like.training import train_state
 from t5x_like.training import trainer

@@ -25,11 +25,11 @@ from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
 from t5x_like.training import experiment as experiment_lib
-from t5x_like.training import reward_scoring
+from t5x_like.posttrain import reward_scoring
 from t5x_like.training import step as step_lib
 from t5x_like.training import train_state
 from t5x_like.training import trainer
-from t5x_like.training.objectives import reward
+from t5x_like.posttrain import reward
 
 prefs = dpo.prefs  # the generated preference DATA_DIR (module fixture)
 TINY, SEQ, V = dpo.TINY, dpo.SEQ, dpo.V

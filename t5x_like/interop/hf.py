@@ -29,7 +29,7 @@ from t5x_like.interop import hf_weights
 from t5x_like.interop import safetensors_io
 from t5x_like.model import decoder
 from t5x_like.training import checkpointing
-from t5x_like.training import lora
+from t5x_like.posttrain import lora
 
 CONFIG_FILE = "config.json"
 HF_CONFIG_COPY = "hf_config.json"  # the imported config.json, kept in MODEL_DIR for its token ids

@@ -52,7 +52,7 @@ class GPTConfig:
   num_kv_heads: int = 0  # key/value heads: 0 = num_heads (multi-head); fewer = grouped-query; 1 = multi-query
   use_bias: bool = True  # biases on the attention and MLP projections and on an untied lm_head
   valid_vocab_size: int = 0  # 0 = all rows; else rows ≥ this are padding (for sharding) and masked out of the softmax
-  # Set by the trainer from lora.LoraConfig.dropout: dropout on the input of LoRA adapters (training/lora.py)
+  # Set by the trainer from lora.LoraConfig.dropout: dropout on the input of LoRA adapters (posttrain/lora.py)
   # that a projection finds beside its kernel; active only when the apply gets a 'lora_dropout' rng.
   lora_dropout: float = 0.0
   # Mixture of experts (model/moe.py): the MLP of every moe_every-th layer becomes num_experts experts of the model's
@@ -67,7 +67,7 @@ class GPTConfig:
   moe_load_balancing_weight: float = 0.01  # weight of the Switch/GShard load-balancing loss (mean over MoE layers)
   moe_router_z_weight: float = 0.001  # weight of the ST-MoE router z-loss (mean over MoE layers)
   # A scalar head `score_head` (a (d_model, 1) kernel, zero-initialised) read by project_scores: the reward
-  # model's (training/objectives/reward.py). The language-model head stays; a checkpoint without it warm-starts.
+  # model's (posttrain/reward.py). The language-model head stays; a checkpoint without it warm-starts.
   score_head: bool = False
 
   @property

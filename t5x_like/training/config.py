@@ -72,7 +72,7 @@ LORA_TARGETS = r"blocks/attn/(qkv|query|key_value|out)/kernel|blocks/mlp_(in|gat
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
-  """Low-rank adapters (training/lora.py): W + (alpha/rank)·A·B on each target kernel, the base frozen."""
+  """Low-rank adapters (posttrain/lora.py): W + (alpha/rank)·A·B on each target kernel, the base frozen."""
   rank: int = 0  # adapter rank r; 0 = no LoRA (full or selective fine-tuning)
   alpha: float = 16.0  # the adapters' update is scaled by alpha / rank
   dropout: float = 0.0  # dropout on the adapters' input (the decoder blocks' projections), as in PEFT's lora_dropout
@@ -108,7 +108,7 @@ class ObjectiveConfig:
   # grpo (configs/runs/grpo.gin): `beta` is the KL coefficient to the frozen reference (0 = no reference loaded)
   num_generations: int = 8  # G: samples per prompt (a group); BATCH_SIZE = prompts per step × G
   clip_epsilon: float = 0.2  # the policy ratio is clipped to [1 − ε, 1 + ε]
-  reward: str = "exact_match"  # a registered reward function (training/rewards.py): exact_match, format, reward_model
+  reward: str = "exact_match"  # a registered reward function (posttrain/rewards.py): exact_match, format, reward_model
   reward_format: str = ""  # the `format` reward's regex: 1 when the whole completion matches it
   max_new_tokens: int = 16  # rollout length budget per completion
   temperature: float = 1.0  # rollout sampling temperature (top_k below; evaluation is greedy)

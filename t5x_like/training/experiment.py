@@ -3,7 +3,7 @@
 mesh → resolved model config → layout check → sharded abstract state → objective → jitted steps;
 plus the data streams, evaluation over the objective, and frozen models on the same mesh. Under LoRA
 (TrainConfig.lora.rank > 0) the state's parameters are the adapters, the base model is the frozen
-model `lora.BASE`, and the objective is wrapped to merge them (training/lora.py).
+model `lora.BASE`, and the objective is wrapped to merge them (posttrain/lora.py).
 """
 
 import contextlib
@@ -27,19 +27,19 @@ from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.parallel import offload
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
-from t5x_like.training import frozen_models
-from t5x_like.training import lora as lora_lib
+from t5x_like.posttrain import frozen_models
+from t5x_like.posttrain import lora as lora_lib
 from t5x_like.training import objective_choice
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import precision
-from t5x_like.training import rollout
+from t5x_like.posttrain import rollout
 from t5x_like.training import step as step_lib
 from t5x_like.training import train_state as train_state_lib
 from t5x_like.training import trainable as trainable_lib
 from t5x_like.training.config import TrainConfig
-from t5x_like.training.objectives import grpo
-from t5x_like.training.objectives import distill
-from t5x_like.training.objectives import preference
+from t5x_like.posttrain import grpo
+from t5x_like.posttrain import distill
+from t5x_like.posttrain import preference
 
 
 _NO_DATA_DIR = "DATA_DIR is not set: training and evaluation read a prepared dataset (python -m t5x_like.preprocess)"

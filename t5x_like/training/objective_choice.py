@@ -7,13 +7,13 @@ import dataclasses
 from typing import Any, Optional
 
 from t5x_like.model import decoder as model_lib
-from t5x_like.training import rewards
+from t5x_like.posttrain import rewards
 from t5x_like.training.config import TrainConfig
-from t5x_like.training.objectives import distill
-from t5x_like.training.objectives import grpo
+from t5x_like.posttrain import distill
+from t5x_like.posttrain import grpo
 from t5x_like.training.objectives import language_model
-from t5x_like.training.objectives import preference
-from t5x_like.training.objectives import reward
+from t5x_like.posttrain import preference
+from t5x_like.posttrain import reward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ def _pairs(config, manifest, model, model_config, *, loss_scaled):
 
 
 def _grpo(config, manifest, model):
-  """GRPO over rollouts of a chat DATA_DIR's prompts (training/rollout.py)."""
+  """GRPO over rollouts of a chat DATA_DIR's prompts (posttrain/rollout.py)."""
   objective = config.objective
   if manifest is not None and manifest.get("format") != "chat":
     raise ValueError(f"ObjectiveConfig.name='grpo' samples answers to the prompts of a chat DATA_DIR (python -m "

@@ -4,7 +4,7 @@ A batch holds rows of whole pairs (data/preference.py), as DPO reads them: pair 
 (prompt + chosen) and segment 2k+2 (prompt + rejected); `weights` is 1 on the response tokens. The reward of
 a segment is the score head at the position whose input is the segment's last learned token (the last
 position with weight 1, plus one): the model has read the whole prompt and response, end marker included.
-A scorer reads a token sequence the same way at its last token (training/reward_scoring.py). Per pair:
+A scorer reads a token sequence the same way at its last token (posttrain/reward_scoring.py). Per pair:
 
   loss = −log σ(r_chosen − r_rejected)        (Bradley & Terry 1952; Ouyang et al. 2022)
 

@@ -1,5 +1,5 @@
 """GRPO (Shao et al. 2024, DeepSeekMath): a clipped policy-gradient loss over rollout batches with group-relative
-advantages and a KL penalty to a frozen reference (training/rollout.py makes the batches).
+advantages and a KL penalty to a frozen reference (posttrain/rollout.py makes the batches).
 
 A rollout row is one prompt followed by one sampled completion; `weights` is 1 on the completion's tokens (its
 end marker included), `advantages` holds the row's advantage A = (r − mean of its group) / (std of its group + ε)
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from t5x_like.training.objectives import language_model
-from t5x_like.training.objectives import preference
+from t5x_like.posttrain import preference
 
 REFERENCE = preference.REFERENCE  # the frozen reference model's key in `frozen`, as for DPO
 FEATURES = language_model.FEATURES + ("advantages", "old_logps")
@@ -58,7 +58,7 @@ class Grpo:
     apply_fn: the decoder's `apply` ({'params': p}, tokens, positions, segment_ids) → (B, L, V) logits.
     clip_epsilon: ε of the clipped ratio.
     beta: β, the KL coefficient; 0 = no reference model.
-    on_policy: one update per rollout batch, from the parameters that sampled it (training/rollout.py): the ratio
+    on_policy: one update per rollout batch, from the parameters that sampled it (posttrain/rollout.py): the ratio
       is 1 and its gradient ∇log π, so the batch needs no `old_logps` (a forward pass saved per step).
   """
   apply_fn: Callable

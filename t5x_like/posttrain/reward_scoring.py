@@ -19,7 +19,7 @@ from t5x_like.model import decoder as model_lib
 from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
-from t5x_like.training.objectives import distill
+from t5x_like.posttrain import distill
 
 MIN_LENGTH = 16  # sequences are right-padded to a power of two ≥ this (≤ max_len): few shapes, few compiles
 

@@ -14,13 +14,13 @@ Built in:
   exact_match    1 when the completion equals the reference (leading/trailing whitespace stripped), else 0.
   format         1 when the whole completion matches the regex ObjectiveConfig.reward_format, else 0.
   reward_model   the scalar score of a trained reward model (configs/runs/reward.gin) at
-                 ObjectiveConfig.reward_checkpoint (RLHF with a learned reward); see training/reward_scoring.py.
+                 ObjectiveConfig.reward_checkpoint (RLHF with a learned reward); see posttrain/reward_scoring.py.
 """
 
 import re
 from typing import Callable, Dict, Sequence
 
-from t5x_like.training import reward_scoring
+from t5x_like.posttrain import reward_scoring
 
 RewardFn = Callable[..., Sequence[float]]
 _REGISTRY: Dict[str, RewardFn] = {}
@@ -48,7 +48,7 @@ def get(name: str) -> RewardFn:
   """
   if name not in _REGISTRY:
     raise ValueError(f"ObjectiveConfig.reward={name!r} is not a registered reward function (registered: "
-                     f"{', '.join(registered())}); register one with @t5x_like.training.rewards.register({name!r})")
+                     f"{', '.join(registered())}); register one with @t5x_like.posttrain.rewards.register({name!r})")
   return _REGISTRY[name]
 
 

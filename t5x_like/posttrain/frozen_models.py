@@ -18,9 +18,9 @@ from t5x_like.parallel import axis_names as ax
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.training import fault_tolerance
-from t5x_like.training import lora as lora_lib
-from t5x_like.training.objectives import distill
-from t5x_like.training.objectives import preference
+from t5x_like.posttrain import lora as lora_lib
+from t5x_like.posttrain import distill
+from t5x_like.posttrain import preference
 
 # The model config field each logical parameter axis comes from (named in shape-mismatch errors).
 AXIS_FIELDS = {ax.VOCAB: "GPTConfig.vocab_size", ax.EMBED: "GPTConfig.d_model", ax.MLP: "GPTConfig.d_ff",

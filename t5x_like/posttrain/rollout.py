@@ -28,8 +28,8 @@ import numpy as np
 from t5x_like.data import chat
 from t5x_like.data import input_pipeline
 from t5x_like.model import decoding
-from t5x_like.training import chat_eval
-from t5x_like.training import rewards as rewards_lib
+from t5x_like.inference import chat_eval
+from t5x_like.posttrain import rewards as rewards_lib
 
 ADVANTAGE_EPS = 1e-4
 

@@ -1,0 +1,1 @@
+"""The one inference engine: batched ragged prefill, KV-cache decode, continuous batching, sampling, scoring."""

@@ -1,0 +1,1 @@
+"""Post-training: LoRA, frozen models, the preference / reward / GRPO / distillation objectives, rollouts, rewards."""
