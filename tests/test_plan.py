@@ -71,7 +71,7 @@ def test_sharded_state_follows_the_rules():
   fsdp = memory_model.param_elements_per_device(GPT2, memory_model.Layout(fsdp=8))
   assert full / 8 <= fsdp < full / 8 + 2 * 1024 * 768  # only the LayerNorm/bias vectors stay whole
   est = memory_model.estimate(GPT2, memory_model.Layout(fsdp=8), 64, 1024)
-  assert est.params == 4 * fsdp and est.optimizer == 8 * fsdp
+  assert est.params == 4 * fsdp and 8 * fsdp <= est.optimizer <= 8 * fsdp + 16  # two moments (+ the step count)
 
 
 def test_infeasible_layouts_are_rejected_with_the_reason():

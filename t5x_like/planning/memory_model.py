@@ -101,7 +101,7 @@ class Layout:
 class MemoryEstimate:
   """Bytes per device."""
   params: float  # float32 parameters
-  optimizer: float  # AdamW moments (2 × float32)
+  optimizer: float  # optimizer state (AdamW: 2 × float32 moments; see optimizer_bytes_per_device)
   grads: float  # float32 gradients (+ accumulator) and update temporaries
   activations: float  # residuals kept for the backward pass, all layers and in-flight microbatches
   working: float  # transient of one layer's (re)computed backward, logits and loss
@@ -150,19 +150,43 @@ def param_elements_per_device(cfg: model_lib.GPTConfig, layout: Layout, rules=pa
                               experts: Optional[bool] = None) -> int:
   """Parameter elements one device holds under `rules` (uneven shards round up, as XLA pads them); only the
   experts' weights (`experts`=True) or only the others (False)."""
+  return int(_bytes_per_device(_boxed_params(cfg), layout, rules, experts, itemsize=False))
+
+
+def _bytes_per_device(boxed_tree, layout: Layout, rules, experts: Optional[bool] = None,
+                      itemsize: bool = True) -> float:
+  """Bytes (or, with itemsize=False, elements) one device holds of an abstract tree whose leaves may be boxed
+  with logical names; unboxed leaves are replicated."""
   mapping, sizes = _rules_dict(rules), layout.mesh_shape
   total = 0
-  for leaf in jax.tree.leaves(_boxed_params(cfg), is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)):
-    names = leaf.names if isinstance(leaf, nn.LogicallyPartitioned) else (None,) * len(leaf.value.shape)
+  for leaf in jax.tree.leaves(boxed_tree, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)):
+    boxed = isinstance(leaf, nn.LogicallyPartitioned)
+    value = leaf.value if boxed else leaf
+    names = leaf.names if boxed else (None,) * len(value.shape)
     if experts is not None and (ax.EXPERT in names) != experts:
       continue
-    value = leaf.value if isinstance(leaf, nn.LogicallyPartitioned) else leaf
     elems = 1
     for dim, name in zip(value.shape, names):
       ways = math.prod(sizes[a] for a in mapping.get(name, ())) if name else 1
       elems *= math.ceil(dim / ways)
-    total += elems
+    total += elems * (jnp.dtype(value.dtype).itemsize if itemsize else 1)
   return total
+
+
+def optimizer_bytes_per_device(cfg: model_lib.GPTConfig, layout: Layout,
+                               optimizer_config: Optional[optimizer.OptimizerConfig] = None,
+                               rules=partitioning.DEFAULT_RULES) -> float:
+  """Bytes of optimizer state one device holds, from the optimizer's own abstract init (AdamW: two float32
+  moments; Lion, SGD: one; Muon: one for the blocks' kernels, two for the rest; Adafactor: factored row and
+  column moments, replicated), laid out as the trainer lays it out (train_state.replicate_reshaped)."""
+  return _bytes_per_device(_abstract_optimizer_state(model_lib.shape_only(cfg),
+                                                     optimizer_config or optimizer.OptimizerConfig()), layout, rules)
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract_optimizer_state(cfg: model_lib.GPTConfig, optimizer_config: optimizer.OptimizerConfig):
+  tx = optimizer.make_optimizer(optimizer_config, 1000)
+  return jax.eval_shape(lambda: train_state.replicate_reshaped(tx.init(_boxed_params(cfg))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +264,8 @@ def residual_profile(cfg: model_lib.GPTConfig, seq_len: int) -> ResidualProfile:
 
 
 def estimate(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int, seq_len: int,
-             rules=partitioning.DEFAULT_RULES) -> MemoryEstimate:
+             rules=partitioning.DEFAULT_RULES,
+             optimizer_config: Optional[optimizer.OptimizerConfig] = None) -> MemoryEstimate:
   """Per-device memory of one training step (the peak, at the start of the backward pass).
 
   Args:
@@ -248,6 +273,7 @@ def estimate(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int, seq_le
     layout: mesh shape, gradient-accumulation microbatches, remat policy, pipeline microbatches.
     global_batch: sequences per optimizer step (BATCH_SIZE).
     seq_len: tokens per sequence (SEQ_LEN).
+    optimizer_config: the optimizer whose state is counted (default AdamW).
   """
   cfg = dataclasses.replace(cfg, remat_policy=layout.remat_policy)
   p_dev = param_elements_per_device(cfg, layout, rules)
@@ -280,7 +306,7 @@ def estimate(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int, seq_le
     working += max(0.0, scores - loss_working)  # the loss's buffers and the scores are not live at once
   grads = 4.0 * p_dev * (UPDATE_TEMPS + (ACCUMULATOR_TEMPS if layout.num_microbatches > 1 else 0.0))
   inputs = 5 * 4.0 * global_batch * seq_len / (batch_ways * s)
-  return MemoryEstimate(params=4.0 * p_dev, optimizer=8.0 * p_dev, grads=grads, activations=activations,
+  return MemoryEstimate(params=4.0 * p_dev, optimizer=optimizer_bytes_per_device(cfg, layout, optimizer_config, rules), grads=grads, activations=activations,
                         working=working, inputs=inputs)
 
 

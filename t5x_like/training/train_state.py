@@ -31,8 +31,17 @@ def _boxed_init(model: nn.Module, tx: optax.GradientTransformation, rng, seq_len
   else:
     params = model.init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
   paths = trainable_lib.trainable_paths(params, trainable)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                    opt_state=tx.init(trainable_lib.trainable_part(params, paths)), loss_scale=loss_scale)
+  opt_state = replicate_reshaped(tx.init(trainable_lib.trainable_part(params, paths)))
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, loss_scale=loss_scale)
+
+
+def replicate_reshaped(opt_state):
+  """Optimizer state inherits its parameter's logical axis names (optax maps over the boxes); a leaf whose rank
+  differs from its parameter's (Adafactor's factored row/column moments, its (1,) placeholders) is unboxed,
+  so it is replicated: it holds rows + columns of a matrix, not the matrix."""
+  is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
+  fit = lambda x: x if not is_box(x) or len(x.names) == jnp.ndim(x.value) else x.value
+  return jax.tree.map(fit, opt_state, is_leaf=is_box)
 
 
 def state_shardings(model, tx, mesh, rules=partitioning.DEFAULT_RULES, seq_len: int = 1, loss_scale=None,
