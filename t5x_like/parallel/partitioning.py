@@ -46,10 +46,14 @@ def logical_to_mesh_spec(logical: P, rules: Rules = DEFAULT_RULES) -> P:
 
 
 def shardings_from_boxed(boxed_tree: Any, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES) -> Any:
-  """NamedShardings for a tree whose leaves may be boxed with logical names (unboxed leaves replicate)."""
-  logical = nn.get_partition_spec(boxed_tree)
-  return jax.tree.map(lambda spec: NamedSharding(mesh, logical_to_mesh_spec(spec, rules)), logical,
-                      is_leaf=lambda x: isinstance(x, P))
+  """NamedShardings for a tree whose leaves may be boxed with logical names (unboxed leaves replicate). The
+  tree's structure is kept as it is, empty nodes included (optax's MaskedNode of a partitioned optimizer)."""
+  def sharding(leaf):
+    if isinstance(leaf, nn.meta.AxisMetadata) and not jax.tree.leaves(leaf.value):
+      return leaf.value  # a box around an empty node (optax masks boxed leaves through to their values)
+    spec = leaf.get_partition_spec() if isinstance(leaf, nn.meta.AxisMetadata) else P()
+    return NamedSharding(mesh, logical_to_mesh_spec(spec, rules))
+  return jax.tree.map(sharding, boxed_tree, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
 
 
 def unbox(tree: Any) -> Any:

@@ -40,7 +40,7 @@ def replicate_reshaped(opt_state):
   differs from its parameter's (Adafactor's factored row/column moments, its (1,) placeholders) is unboxed,
   so it is replicated: it holds rows + columns of a matrix, not the matrix."""
   is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
-  fit = lambda x: x if not is_box(x) or len(x.names) == jnp.ndim(x.value) else x.value
+  fit = lambda x: x if not is_box(x) or (jax.tree.leaves(x.value) and len(x.names) == jnp.ndim(x.value)) else x.value
   return jax.tree.map(fit, opt_state, is_leaf=is_box)
 
 

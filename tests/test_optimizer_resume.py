@@ -1,0 +1,95 @@
+"""Through the CLI: Adafactor and Muon resume bit for bit after kill -9; a WSD run cut mid-constant decays from there."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.test_fault_tolerance import REPO, launch_args, launch_env
+from t5x_like.training import checkpointing as checkpoints
+from t5x_like.training import fault_tolerance
+from t5x_like.training import optimizer as opt
+
+STEPS = 12
+
+
+def _launch(model_dir, data_dir, steps, *extra):
+  log = open(f"{model_dir}.log", "ab")
+  return subprocess.Popen(launch_args(model_dir, data_dir, steps) + list(extra), cwd=REPO, env=launch_env(),
+                          stdout=log, stderr=subprocess.STDOUT)
+
+
+def _records(model_dir) -> list:
+  try:
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+      return [json.loads(line) for line in f if line.endswith("\n")]
+  except (OSError, ValueError):
+    return []
+
+
+def _run_until(model_dir, data_dir, steps, at_step, sig, *extra) -> int:
+  """Launches a run, sends `sig` once it logged a step >= at_step, returns its exit code."""
+  seen = len(_records(model_dir))
+  proc = _launch(model_dir, data_dir, steps, *extra)
+  deadline = time.time() + 240
+  while max((r["step"] for r in _records(model_dir)[seen:] if "loss" in r), default=0) < at_step:
+    assert proc.poll() is None, f"the run ended ({proc.returncode}) before step {at_step}"
+    assert time.time() < deadline, "the run made no progress"
+    time.sleep(0.02)
+  proc.send_signal(sig)
+  return proc.wait(timeout=240)
+
+
+def _losses(model_dir) -> dict:
+  out = {}
+  for r in _records(model_dir):
+    if "loss" in r:
+      out.setdefault(r["step"], []).append(r["loss"])
+  return out
+
+
+@pytest.mark.slow  # end to end: three CLI launches per optimizer
+@pytest.mark.parametrize("name", ["adafactor", "muon"])
+def test_kill_9_resume_is_bit_identical(name, tmp_path, corpus):
+  """Adafactor's factored state and Muon's partitioned state checkpoint and restore exactly: every logged loss
+  (the redone steps too) and the final parameters equal the uninterrupted run's."""
+  data_dir, flag = corpus, f"--gin.optimizer.OptimizerConfig.name='{name}'"
+  reference, model_dir = str(tmp_path / "reference"), str(tmp_path / "killed")
+  assert _launch(reference, data_dir, STEPS, flag).wait(timeout=300) == 0
+  assert _run_until(model_dir, data_dir, STEPS, 9, signal.SIGKILL, flag) == -signal.SIGKILL
+  assert checkpoints.committed_steps(model_dir)  # resumed from checkpoint 4 or 8; the steps after it are redone
+  assert _launch(model_dir, data_dir, STEPS, flag).wait(timeout=300) == 0
+  losses, ref = _losses(model_dir), _losses(reference)
+  assert sorted(losses) == sorted(ref) == list(range(1, STEPS + 1))
+  assert ref[STEPS][0] < ref[1][0]
+  for step, values in losses.items():
+    assert all(v == ref[step][0] for v in values), (step, values, ref[step])
+  digest = lambda d: checkpoints.params_digest(checkpoints.restore_params(d)[1])
+  assert digest(model_dir) == digest(reference)
+
+
+@pytest.mark.slow  # end to end: two CLI launches
+def test_wsd_cut_mid_constant_decays_from_there(tmp_path, corpus):
+  """A WSD run planned for 40 steps is stopped (SIGTERM, checkpointed) at step ≥ 6, in its constant stage, and
+  relaunched with TRAIN_STEPS=10 and a decay over the last 40%: the learning rate stayed at the peak, and now
+  decays over steps 7..10 to the final rate, as the schedule for 10 steps says."""
+  data_dir, model_dir = corpus, str(tmp_path / "wsd")
+  wsd = ["--gin.optimizer.OptimizerConfig.decay='wsd'", "--gin.optimizer.OptimizerConfig.warmup_steps=2",
+         "--gin.optimizer.OptimizerConfig.learning_rate=0.001", "--gin.optimizer.OptimizerConfig.min_lr_ratio=0.0"]
+  code = _run_until(model_dir, data_dir, 40, 6, signal.SIGTERM, *wsd,
+                    "--gin.optimizer.OptimizerConfig.decay_fraction=0.2")
+  assert code == fault_tolerance.EXIT_PREEMPTED
+  stopped = checkpoints.committed_steps(model_dir)[-1]
+  assert 6 <= stopped <= 7
+  assert _launch(model_dir, data_dir, 10, *wsd, "--gin.optimizer.OptimizerConfig.decay_fraction=0.4").wait(
+      timeout=300) == 0
+  lr = {r["step"]: r["lr"] for r in _records(model_dir) if "lr" in r}
+  assert [lr[s] for s in range(3, stopped + 1)] == pytest.approx([0.001] * (stopped - 2))  # constant stage
+  schedule = opt.learning_rate_schedule(opt.OptimizerConfig(decay="wsd", warmup_steps=2, learning_rate=0.001,
+                                                            min_lr_ratio=0.0, decay_fraction=0.4), 10)
+  expected = [float(schedule(s - 1)) for s in range(stopped + 1, 11)]  # step s trains with the rate at count s-1
+  assert [lr[s] for s in range(stopped + 1, 11)] == pytest.approx(expected, rel=1e-6)
+  assert expected == sorted(expected, reverse=True) and expected[-1] < 0.0003  # it decays to the final rate
