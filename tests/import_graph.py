@@ -29,6 +29,9 @@ ALLOWED = {
     "planning": {"training", "observe", "model", "parallel"},
     "interop": {"posttrain", "training", "model", "data", "parallel"},
     "cli": {"recipes", "posttrain", "inference", "training", "model", "observe", "data", "parallel"},
+    # many runs: sweeps launch the train entry point as subprocesses and validate gin through cli
+    "experiments": {"cli", "planning", "recipes", "posttrain", "inference", "training", "model", "observe", "data",
+                    "parallel"},
 }
 
 

@@ -1,0 +1,1 @@
+"""Experiments over many runs: grid sweeps of gin bindings and their reports."""

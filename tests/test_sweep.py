@@ -1,0 +1,170 @@
+"""Sweeps: grid validation before any launch; a 2×2 sweep killed -9 mid-way and relaunched gives the same table."""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests import conftest
+
+from t5x_like.experiments import sweep
+from t5x_like.experiments import sweep_report
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILES = ["configs/models/gpt_tiny.gin", "configs/runs/pretrain.gin"]
+STEPS = 12
+
+
+def bindings(data_dir) -> list:
+  """A TINY model on 2 CPU devices, logged, evaluated and checkpointed every 4 steps."""
+  return [f"DATA_DIR = '{data_dir}'", f"TRAIN_STEPS = {STEPS}", "LOG_EVERY = 4", "EVAL_EVERY = 4",
+          "CHECKPOINT_EVERY = 4", "BATCH_SIZE = 8", "SEQ_LEN = 16",
+          "MESH_SHAPE = {'pipeline': 1, 'data': 2, 'fsdp': 1, 'tensor': 1}",
+          "data.DataConfig.eval_batches = 1", "data.DataConfig.shuffle_buffer = 64",
+          "checkpointing.CheckpointConfig.async_save = False",
+          "optimizer.OptimizerConfig.warmup_steps = 2", "model.GPTConfig.num_layers = 1",
+          "model.GPTConfig.d_model = 32", "model.GPTConfig.num_heads = 2", "model.GPTConfig.d_ff = 64",
+          "model.GPTConfig.max_len = 32", "model.GPTConfig.dtype = 'float32'"]
+
+
+GRID = ["optimizer.OptimizerConfig.name=['adamw','adafactor']", "optimizer.OptimizerConfig.learning_rate=[3e-3,1e-2]"]
+
+
+def env() -> dict:
+  return dict(os.environ, XLA_FLAGS=conftest.xla_flags(2), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+
+
+def test_grid_parses_literals_and_names_runs_stably():
+  grid = sweep.parse_grid(GRID + ["MESH_SHAPE=[{'data': 2}, {'fsdp': 2}]", "(TRAIN_STEPS, SEED)=[(5, 1), (9, 2)]"])
+  assert grid[0] == (("optimizer.OptimizerConfig.name",), [("adamw",), ("adafactor",)])
+  assert grid[1][1] == [(3e-3,), (1e-2,)]
+  assert grid[3] == (("TRAIN_STEPS", "SEED"), [(5, 1), (9, 2)])
+  assert sweep.grid_keys(grid)[-3:] == ["MESH_SHAPE", "TRAIN_STEPS", "SEED"]
+  assert sweep.run_name((("optimizer.OptimizerConfig.name", "adamw"), ("optimizer.OptimizerConfig.learning_rate",
+                                                                        0.003))) == "name-adamw__learning_rate-0.003"
+  assert sweep.run_name((("MESH_SHAPE", {"data": 2}),)) == "MESH_SHAPE-data_2"
+  # two keys with the same last part keep their whole names
+  assert sweep.run_name((("a.X.rate", 1), ("b.Y.rate", 2))) == "a.X.rate-1__b.Y.rate-2"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("optimizer.OptimizerConfig.learning_rate=[]", "key optimizer.OptimizerConfig.learning_rate has no values"),
+    ("optimizer.OptimizerConfig.learning_rate=[3e-4,", "key optimizer.OptimizerConfig.learning_rate: cannot parse"),
+    ("optimizer.OptimizerConfig.learning_rate=3e-4", "key optimizer.OptimizerConfig.learning_rate: '3e-4' is not a list"),
+    ("MODEL_DIR=['a']", "key MODEL_DIR: set by the sweep"),
+    ("no_equals_sign", "is not KEY=\\[VALUE"),
+    ("(TRAIN_STEPS,SEED)=[(5, 1), (9,)]", "key \\(TRAIN_STEPS,SEED\\): \\(9,\\) is not a tuple of 2 values"),
+    ("(TRAIN_STEPS,TRAIN_STEPS)=[(5, 1)]", "key TRAIN_STEPS is given twice"),
+])
+def test_bad_grid_specs_are_one_line_errors_naming_the_key(spec, message):
+  with pytest.raises(ValueError, match=message):
+    sweep.parse_grid([spec])
+
+
+def test_grid_key_that_is_not_a_gin_binding_is_refused_before_any_launch(tmp_path):
+  for key, reason in (("optimizer.OptimizerConfig.learning_rte", "doesn't have a parameter named 'learning_rte'"),
+                      ("optimizer.NoSuchConfig.x", "No configurable matching 'optimizer.NoSuchConfig'"),
+                      ("NO_SUCH_MACRO", "no gin file defines the macro NO_SUCH_MACRO")):
+    grid = sweep.parse_grid([f"{key}=[1, 2]"])
+    with pytest.raises(ValueError, match=f"--grid key {key} is not a gin binding.*{reason}"):
+      sweep.plan(FILES, bindings("/nowhere"), ["."], grid, str(tmp_path / "s"))
+  grid = sweep.parse_grid(["optimizer.OptimizerConfig.name=['adamw', 'adamx']"])  # a value its config refuses
+  with pytest.raises(ValueError, match="sweep run name-adamx: OptimizerConfig.name='adamx'"):
+    sweep.plan(FILES, bindings("/nowhere"), ["."], grid, str(tmp_path / "s"))
+  assert not (tmp_path / "s").exists()  # nothing launched, nothing written
+
+
+def test_plan_gives_each_combination_its_model_dir_and_steps(tmp_path):
+  grid = sweep.parse_grid(GRID + ["(TRAIN_STEPS,BATCH_SIZE)=[(5, 8)]"])
+  runs = sweep.plan(FILES, bindings("/nowhere"), ["."], grid, str(tmp_path))
+  assert [r.name for r in runs] == ["name-adamw__learning_rate-0.003__TRAIN_STEPS-5__BATCH_SIZE-8",
+                                    "name-adamw__learning_rate-0.01__TRAIN_STEPS-5__BATCH_SIZE-8",
+                                    "name-adafactor__learning_rate-0.003__TRAIN_STEPS-5__BATCH_SIZE-8",
+                                    "name-adafactor__learning_rate-0.01__TRAIN_STEPS-5__BATCH_SIZE-8"]
+  assert {r.train_steps for r in runs} == {5} and {r.tokens_per_step for r in runs} == {8 * 16}
+  assert runs[2].bindings()[0] == "optimizer.OptimizerConfig.name = 'adafactor'"
+  assert runs[2].bindings()[-1] == f"MODEL_DIR = '{tmp_path / runs[2].name}'"
+
+
+def test_cli_help_and_one_line_error():
+  out = subprocess.run([sys.executable, "-m", "t5x_like.sweep", "--help"], cwd=REPO, env=env(), capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0 and "--grid" in out.stdout and "--output_dir" in out.stdout
+  bad = subprocess.run([sys.executable, "-m", "t5x_like.sweep", *[f"--gin_file={f}" for f in FILES],
+                        "--gin.DATA_DIR='/nowhere'",
+                        "--grid=optimizer.OptimizerConfig.lr=[1e-3]", "--output_dir=/tmp/never"], cwd=REPO, env=env(),
+                       capture_output=True, text=True, timeout=300)
+  assert bad.returncode == 1
+  assert bad.stderr.strip().splitlines() == [bad.stderr.strip().splitlines()[-1]]  # one line
+  assert bad.stderr.startswith("error: --grid key optimizer.OptimizerConfig.lr is not a gin binding")
+
+
+def _table(output_dir) -> list:
+  with open(os.path.join(output_dir, "results.csv")) as f:
+    return list(csv.DictReader(f))
+
+
+def _launches(model_dir) -> list:
+  """The step of each launch's start-up report in the run's metrics.jsonl."""
+  from t5x_like.observe import plots  # pylint: disable=g-import-not-at-top
+  return [r["step"] for r in plots.read_records(model_dir) if "params/total" in r]
+
+
+@pytest.mark.slow  # trains 4 tiny runs, then the same sweep again with a kill -9 in its second run
+def test_sweep_killed_mid_way_and_relaunched_gives_the_same_table(corpus, tmp_path):
+  reference = str(tmp_path / "reference")
+  report = sweep.run_sweep(FILES, bindings(corpus), ["."], GRID, reference, env=env())
+  rows = _table(reference)
+  assert [r["run"] for r in rows] == ["name-adamw__learning_rate-0.003", "name-adamw__learning_rate-0.01",
+                                      "name-adafactor__learning_rate-0.003", "name-adafactor__learning_rate-0.01"]
+  assert {r["status"] for r in rows} == {"finished"}
+  for row in rows:
+    assert float(row["final_eval_loss"]) > 0 and float(row["tokens_per_sec"]) > 0
+    assert int(row["peak_memory_bytes"]) > 2**20 and int(row["params"]) > 0
+  opt = {r["run"]: int(r["opt_state_bytes_per_device"]) for r in rows}
+  assert opt["name-adafactor__learning_rate-0.003"] < opt["name-adamw__learning_rate-0.003"]  # factored moments
+  assert len({r["final_train_loss"] for r in rows}) == 4  # each run trained with its own optimizer / lr
+  assert open(report["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+  assert "| name-adamw__learning_rate-0.003 | adamw | 0.003 | finished |" in open(report["markdown"]).read()
+
+  # The same sweep from the CLI, killed -9 (with its training child) once its second run has logged step 8
+  # (checkpointed at 4), then relaunched.
+  interrupted = str(tmp_path / "interrupted")
+  command = [sys.executable, "-m", "t5x_like.sweep", *[f"--gin_file={f}" for f in FILES],
+             *[f"--gin_bindings={b}" for b in bindings(corpus)], *[f"--grid={g}" for g in GRID],
+             f"--output_dir={interrupted}"]
+  second = os.path.join(interrupted, rows[1]["run"])
+  with open(str(tmp_path / "sweep.log"), "ab") as log:
+    proc = subprocess.Popen(command, cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 600
+    while proc.poll() is None and not any(s >= 8 for s in _logged_steps(second)):
+      assert time.time() < deadline, "the sweep made no progress"
+      time.sleep(0.05)
+    assert proc.poll() is None, open(str(tmp_path / "sweep.log")).read()[-2000:]
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    assert _table_missing(interrupted)
+    assert subprocess.run(command, cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT,
+                          timeout=900).returncode == 0
+  assert _launches(os.path.join(interrupted, rows[0]["run"])) == [0]  # finished: not relaunched
+  assert _launches(second)[0] == 0 and _launches(second)[1] in (4, 8)  # resumed from its checkpoint
+  again = _table(interrupted)
+  for ref, row in zip(rows, again):
+    assert row["run"] == ref["run"] and row["status"] == "finished"
+    for column in ("final_train_loss", "final_eval_loss", "opt_state_bytes_per_device", "params"):
+      assert row[column] == ref[column], (row["run"], column, row[column], ref[column])
+
+
+def _logged_steps(model_dir) -> list:
+  try:
+    return [r["step"] for r in sweep_report.plots.read_records(model_dir)]
+  except (FileNotFoundError, ValueError):
+    return []
+
+
+def _table_missing(output_dir) -> bool:
+  return not os.path.exists(os.path.join(output_dir, "results.csv"))
