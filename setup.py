@@ -34,6 +34,7 @@ setuptools.setup(
         "pyarrow>=14",  # preprocess: Parquet inputs and `datasets.save_to_disk` folders (read without `datasets`)
         "zstandard>=0.22",  # preprocess: *.jsonl.zst / *.txt.zst inputs
         "datasketch>=2.0",  # preprocess --near_dedup: MinHash LSH
+        "scipy>=1.11",  # python -m t5x_like.scaling fit: L-BFGS-B (already a dependency of jax)
     ],
     extras_require={
         "beam": ["apache-beam>=2.60"],  # preprocess --runner=direct|dataflow|...
