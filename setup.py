@@ -40,11 +40,14 @@ setuptools.setup(
         "beam": ["apache-beam>=2.60"],  # preprocess --runner=direct|dataflow|...
         "plot": ["matplotlib>=3.8"],  # python -m t5x_like.plot
         "prometheus": ["prometheus_client>=0.20"],  # ObserveConfig.prometheus_port > 0
+        "mlflow": ["mlflow>=2.10"],  # ObserveConfig.trackers has 'mlflow' (mlflow-skinny is enough without `mlflow ui`)
+        "wandb": ["wandb>=0.16"],  # ObserveConfig.trackers has 'wandb'
         # Hugging Face transformers (on torch): the reference tests/test_interop.py compares conversions with.
         # torch is pinned: that CPU wheel is on the CI machine's disk; an unpinned torch pulls a multi-GB CUDA build.
         "hf": HF,
         # Everything the tests exercise, Beam and transformers included.
-        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "apache-beam>=2.60", "matplotlib>=3.8", "prometheus_client>=0.20"]
+        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "apache-beam>=2.60", "matplotlib>=3.8", "prometheus_client>=0.20",
+                 "mlflow-skinny>=2.10"]
                 + HF,
     },
 )
