@@ -2,6 +2,8 @@
 
     # fit the eval losses of finished runs of ≥ 3 model sizes; the optimum at a FLOP budget
     python -m t5x_like.scaling fit --runs=sweeps/iso/* --flops=1e18
+    # the compute-optimal split of a budget from a saved fit
+    python -m t5x_like.scaling fit --runs=sweeps/iso/* --save=fit.json && python -m t5x_like.scaling plan --fit=fit.json --flops=1e15
     # lay out an IsoFLOP grid (sizes × steps) that trains on a CPU in minutes, as a sweep command
     python -m t5x_like.scaling sweep --flops=3e11,1e12 --output_dir=sweeps/iso
 
@@ -17,7 +19,7 @@ from t5x_like import cli
 from t5x_like.planning import scaling_law
 from t5x_like.planning import scaling_runs
 
-COMMANDS = ("fit", "sweep")
+COMMANDS = ("fit", "plan", "sweep")
 
 
 def define_flags():
@@ -27,6 +29,8 @@ def define_flags():
   flags.DEFINE_bool("final_only", False, "fit: only each run's last evaluation (default: every evaluation, with "
                     "D = tokens seen there).")
   flags.DEFINE_integer("seed", 0, "fit: the bootstrap's seed.")
+  flags.DEFINE_string("save", None, "fit: also write the fit (and its bootstrap intervals) to this JSON file.")
+  flags.DEFINE_string("fit", None, "plan: a JSON fit written by `fit --save`.")
   flags.DEFINE_string("gin_file", "configs/experiments/pystdlib_demo.gin", "sweep: the run's gin file.")
   flags.DEFINE_string("output_dir", "sweeps/isoflop", "sweep: the sweep's --output_dir.")
   flags.DEFINE_integer("vocab_size", 4096, "sweep: vocabulary of the sized models (the built-in corpus: 4096).")
@@ -54,6 +58,17 @@ def main(argv):
     for i, budget in enumerate(_budgets() or [0.0]):
       text = scaling_runs.report(fit, boot, points, budget)
       print(text if i == 0 else text.splitlines()[-1], flush=True)
+    if f.save:
+      scaling_law.save(fit, f.save, {"bootstrap_5_95_std": boot, "runs": list(points.names)})
+      print(f"fit written to {f.save}", flush=True)
+  elif argv[1] == "plan":
+    if not f.fit or not _budgets():
+      raise ValueError("plan: give --fit=FIT.json (from `scaling fit --save`) and --flops=C[,C2,...]")
+    fit = scaling_law.load(f.fit)
+    for budget in _budgets():
+      n_opt, d_opt = fit.compute_optimal(budget)
+      print(f"C = {budget:.3g} FLOPs: N = {n_opt:,.0f} parameters, D = {d_opt:,.0f} tokens "
+            f"({d_opt / n_opt:.1f} tokens/parameter), predicted loss {fit.loss(n_opt, d_opt):.4f}", flush=True)
   else:
     budgets = _budgets()
     if not budgets:

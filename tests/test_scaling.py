@@ -109,7 +109,8 @@ def test_cli_fit_prints_the_law_and_the_compute_optimum(tmp_path):
   """Exact losses of the known law at 5 sizes × 4 evaluations: the CLI recovers its exponents and optimum."""
   dirs = _law_runs(tmp_path)
   out = subprocess.run([sys.executable, "-m", "t5x_like.scaling", "fit", f"--runs={tmp_path}/run*", "--flops=1e20",
-                        "--bootstrap=4"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                        "--bootstrap=4", f"--save={tmp_path}/fit.json"], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   alpha = float(re.search(r"alpha = (\S+)", out.stdout).group(1))
   beta = float(re.search(r"beta  = (\S+)", out.stdout).group(1))
@@ -117,6 +118,9 @@ def test_cli_fit_prints_the_law_and_the_compute_optimum(tmp_path):
   n_opt = float(re.search(r"N = ([\d,]+) parameters", out.stdout).group(1).replace(",", ""))
   assert abs(n_opt / TRUE.compute_optimal(1e20)[0] - 1) < 0.1, out.stdout
   assert f"{len(dirs)} runs (5 sizes)" in out.stdout
+  plan = subprocess.run([sys.executable, "-m", "t5x_like.scaling", "plan", f"--fit={tmp_path}/fit.json",
+                         "--flops=1e20"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert plan.returncode == 0 and re.search(r"N = ([\d,]+) parameters", plan.stdout).group(1) == f"{n_opt:,.0f}"
   bad = subprocess.run([sys.executable, "-m", "t5x_like.scaling", "fit", f"--runs={dirs[0]},{dirs[1]}"], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
   assert bad.returncode == 1 and bad.stderr.startswith("error: a fit needs runs of at least 3 model sizes")
@@ -142,3 +146,12 @@ def test_isoflop_sweep_command_is_a_valid_sweep_spending_each_budget(tmp_path):
     budgets.append(6 * params * run.train_steps * run.tokens_per_step)
     assert run.tokens_per_step == 16 * 128 and values["EVAL_EVERY"] == run.train_steps // 4
   assert len(runs) == 10 and all(min(abs(b / c - 1) for c in (3e11, 1e12)) < 0.05 for b in budgets), budgets
+
+
+def test_saved_fit_plans_a_budget(tmp_path):
+  scaling_law.save(TRUE, str(tmp_path / "fit.json"))
+  loaded = scaling_law.load(str(tmp_path / "fit.json"))
+  assert [getattr(loaded, k) for k in "E A B alpha beta".split()] == [getattr(TRUE, k) for k in "E A B alpha beta".split()]
+  (tmp_path / "bad.json").write_text('{"E": 1.0}')
+  with pytest.raises(ValueError, match="--fit=.*bad.json: not a scaling-law fit"):
+    scaling_law.load(str(tmp_path / "bad.json"))

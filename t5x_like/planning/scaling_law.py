@@ -10,9 +10,11 @@ analytic gradient. With C ≈ 6·N·D FLOPs, the loss-minimising split of a budg
 
 import dataclasses
 import itertools
+import json
 import math
 from typing import Optional
 
+from etils import epath
 import numpy as np
 from scipy import optimize
 from scipy import special
@@ -43,6 +45,22 @@ class Fit:
     g = (self.alpha * self.A / (self.beta * self.B)) ** (1.0 / (self.alpha + self.beta))
     c6 = flops / 6.0
     return g * c6 ** (self.beta / (self.alpha + self.beta)), c6 ** (self.alpha / (self.alpha + self.beta)) / g
+
+
+def save(fit_: Fit, path: str, extra: Optional[dict] = None) -> None:
+  """Writes the fit (and e.g. its bootstrap) as JSON."""
+  epath.Path(path).write_text(json.dumps({**dataclasses.asdict(fit_), **(extra or {})}, indent=1))
+
+
+def load(path: str) -> Fit:
+  """A fit written by save(); a missing field is a ValueError naming the file."""
+  try:
+    data = json.loads(epath.Path(path).read_text())
+    return Fit(**{f.name: float(data[f.name]) for f in dataclasses.fields(Fit) if f.name != "objective"})
+  except FileNotFoundError:
+    raise ValueError(f"--fit={path}: no such file (write one with `scaling fit --save={path}`)") from None
+  except (KeyError, TypeError, ValueError) as e:
+    raise ValueError(f"--fit={path}: not a scaling-law fit ({type(e).__name__}: {e})") from None
 
 
 def _huber(r, delta):
