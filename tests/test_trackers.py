@@ -7,7 +7,11 @@ import shutil
 
 import pytest
 
+from tests import test_sweep
+
+from t5x_like.experiments import sweep
 from t5x_like.observe import trackers
+from t5x_like.training import config as config_lib
 
 mlflow = pytest.importorskip("mlflow")  # the test extra installs it (setup.py)
 
@@ -44,6 +48,15 @@ def test_flatten_gin_gives_one_param_per_binding_and_joins_multiline_values():
 def test_unknown_tracker_is_refused():
   with pytest.raises(ValueError, match=r"trackers: unknown \['mlfow'\]"):
     trackers.open_trackers(["mlfow"], "/tmp/unused", CONFIG)
+  with pytest.raises(ValueError, match=r"trackers: unknown \['mlfow'\]"):  # when gin builds the config
+    config_lib.ObserveConfig(trackers=("tensorboard", "mlfow"))
+  with pytest.raises(ValueError, match=r"trackers='mlflow': give a tuple, e.g. \('tensorboard', 'mlflow'\)"):
+    config_lib.ObserveConfig(trackers="mlflow")
+
+
+def test_a_missing_tracker_package_names_its_extra():
+  with pytest.raises(ImportError, match=r"trackers has 'wandb': pip install 't5x_like\[wandb\]'"):
+    trackers._require("no_such_package_t5x.sub", "wandb")  # pylint: disable=protected-access
 
 
 def _log_run(model_dir, steps, **kwargs) -> list:
@@ -113,3 +126,26 @@ def test_a_tracker_that_cannot_start_is_left_out(tmp_path, caplog, monkeypatch):
                                    tracking_uri="file:" + str(tmp_path / "blocked" / "store"))
   starts = [r.getMessage() for r in caplog.records if "tracker mlflow did not start" in r.getMessage()]
   assert sinks == [] and len(starts) == 1 and "blocked" in starts[0], starts
+
+
+@pytest.mark.slow  # trains two tiny runs through the sweep and the train CLI
+def test_sweep_runs_log_to_one_mlflow_experiment_with_their_metrics_and_params(corpus, tmp_path, monkeypatch):
+  """observe.ObserveConfig.trackers=('tensorboard', 'mlflow') through train: each run of a sweep is an MLflow run in
+  the experiment named after the sweep's folder, with the final losses metrics.jsonl has and the gin config."""
+  store = "file:" + str(tmp_path / "store")
+  monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a file URI given by the user: their opt-in
+  environment = dict(test_sweep.env(), MLFLOW_ALLOW_FILE_STORE="true")
+  bindings = test_sweep.bindings(corpus) + ["TRAIN_STEPS = 4", "observe.ObserveConfig.trackers = ('tensorboard', 'mlflow')",
+                                            f"observe.ObserveConfig.tracking_uri = {store!r}"]
+  report = sweep.run_sweep(test_sweep.FILES, bindings, ["."], ["optimizer.OptimizerConfig.learning_rate=[3e-3,1e-2]"],
+                           str(tmp_path / "lr_sweep"), env=environment)
+  client = mlflow.tracking.MlflowClient(store)
+  runs = client.search_runs([client.get_experiment_by_name("lr_sweep").experiment_id])
+  assert sorted(r.info.run_name for r in runs) == ["learning_rate-0.003", "learning_rate-0.01"]
+  for run in runs:
+    row = next(r for r in report["rows"] if r["run"] == run.info.run_name)
+    assert run.data.metrics["loss"] == row["final_train_loss"] and run.data.metrics["eval/loss"] == row["final_eval_loss"]
+    assert run.data.metrics["memory/opt_state_bytes_per_device"] == row["opt_state_bytes_per_device"]
+    assert float(run.data.params["OptimizerConfig.learning_rate"]) == float(run.info.run_name.split("-", 1)[1])
+    assert run.data.params["TRAIN_STEPS"] == "4" and run.info.status == "FINISHED"
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.gin"]

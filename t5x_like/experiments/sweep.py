@@ -35,6 +35,7 @@ from t5x_like.training import precision
 
 SPEC_FILE = "sweep.json"  # the sweep's definition, compared on a relaunch
 RESERVED = ("MODEL_DIR",)  # set by the sweep, one per run
+EXPERIMENT_KEY = "observe.ObserveConfig.experiment"  # the trackers' experiment: the output folder's name by default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +239,8 @@ def launch_all(runs: list, gin_files, gin_bindings, search_paths, parallel: int 
 def run_sweep(gin_files: Sequence[str], gin_bindings: Sequence[str], search_paths: Sequence[str],
               grid_specs: Sequence[str], output_dir: str, parallel: int = 1, log=print,
               env: Optional[dict] = None) -> dict:
-  """Validates the grid, trains what is not finished, writes the report (also after failed runs).
+  """Validates the grid, trains what is not finished, writes the report (also after failed runs). The runs'
+  MLflow experiment / W&B project is the output folder's name unless the bindings set one.
 
   Returns:
     sweep_report.write_report's dict; a run that failed is a ValueError naming it and its log, after the
@@ -247,9 +249,12 @@ def run_sweep(gin_files: Sequence[str], gin_bindings: Sequence[str], search_path
   if not output_dir:
     raise ValueError("no --output_dir given: the folder that holds one MODEL_DIR per combination")
   grid = parse_grid(grid_specs)
+  spec = {"gin_files": list(gin_files), "gin_bindings": list(gin_bindings),
+          "grid": [[list(keys), [list(v) for v in values]] for keys, values in grid]}
+  if not any(b.replace(" ", "").startswith(f"{EXPERIMENT_KEY}=") for b in gin_bindings):  # trackers group the runs
+    gin_bindings = list(gin_bindings) + [f"{EXPERIMENT_KEY} = {os.path.basename(os.path.normpath(output_dir))!r}"]
   runs = plan(gin_files, gin_bindings, search_paths, grid, output_dir)
-  check_spec(output_dir, {"gin_files": list(gin_files), "gin_bindings": list(gin_bindings),
-                          "grid": [[list(keys), [list(v) for v in values]] for keys, values in grid]})
+  check_spec(output_dir, spec)
   log(f"sweep: {len(runs)} runs under {output_dir}")
   codes = launch_all(runs, gin_files, gin_bindings, search_paths, parallel, log, env)
   report = sweep_report.write_report(runs, grid_keys(grid), output_dir)

@@ -6,9 +6,14 @@ default into a local store under the run (`mlflow ui --backend-store-uri MODEL_D
 tracking URI points it at a server or database instead. W&B runs offline (files under MODEL_DIR/wandb,
 `wandb sync` uploads them) unless the user is logged in. A relaunched run continues its tracker run. A
 tracker that fails is reported once and switched off: it never stops training.
+
+The trackers' packages are optional extras (t5x_like[mlflow], t5x_like[wandb]) and are imported only when a
+run asks for them: `import mlflow` alone takes ~1.5 s, which every launch of the trainer would pay.
 """
 
 import hashlib
+import importlib
+import importlib.util
 import math
 import os
 import time
@@ -16,21 +21,17 @@ from typing import Mapping, Optional, Sequence
 
 from absl import logging
 
-try:  # optional: the extra t5x_like[mlflow]
-  import mlflow
-  from mlflow import entities as mlflow_entities
-  from mlflow import tracking as mlflow_tracking
-except ImportError:
-  mlflow = None
-try:  # optional: the extra t5x_like[wandb]
-  import wandb
-except ImportError:
-  wandb = None
-
 TRACKERS = ("tensorboard", "mlflow", "wandb")  # tensorboard: the event files every run writes
 DEFAULT_EXPERIMENT = "t5x_like"
 MODEL_DIR_TAG = "t5x_like.model_dir"  # MLflow tag that finds a relaunched run's tracker run
 _MAX_PARAMS, _MAX_METRICS, _MAX_VALUE = 100, 1000, 6000  # MLflow's log_batch and param value limits
+
+
+def _require(package: str, extra: str):
+  """The imported package, or an ImportError naming the extra that installs it."""
+  if importlib.util.find_spec(package.split(".")[0]) is None:
+    raise ImportError(f"observe.ObserveConfig.trackers has '{extra}': pip install 't5x_like[{extra}]'")
+  return importlib.import_module(package)
 
 
 def flatten_gin(config_text: str) -> dict:
@@ -57,13 +58,12 @@ class MlflowSink:
 
   def __init__(self, model_dir: str, params: Mapping[str, str], config_file: Optional[str] = None,
                tracking_uri: str = "", experiment: str = "", run_name: str = ""):
-    if mlflow is None:
-      raise ImportError("observe.ObserveConfig.trackers has 'mlflow': pip install 't5x_like[mlflow]'")
+    tracking, self.entities = _require("mlflow.tracking", "mlflow"), _require("mlflow.entities", "mlflow")
     if not tracking_uri:  # MLflow keeps its file store in maintenance mode; a local run needs no server
       os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
       tracking_uri = "file:" + os.path.abspath(os.path.join(model_dir, "mlruns"))
     self.tracking_uri = tracking_uri
-    self.client = mlflow_tracking.MlflowClient(tracking_uri=tracking_uri)
+    self.client = tracking.MlflowClient(tracking_uri=tracking_uri)
     name = experiment or DEFAULT_EXPERIMENT
     found = self.client.get_experiment_by_name(name)
     experiment_id = found.experiment_id if found else self.client.create_experiment(name)
@@ -78,7 +78,7 @@ class MlflowSink:
       run = self.client.create_run(experiment_id, run_name=run_name or os.path.basename(key.rstrip("/")),
                                    tags={MODEL_DIR_TAG: key})
       self.run_id, logged = run.info.run_id, {}
-    new = [mlflow_entities.Param(k, str(v)[:_MAX_VALUE]) for k, v in sorted(params.items()) if k not in logged]
+    new = [self.entities.Param(k, str(v)[:_MAX_VALUE]) for k, v in sorted(params.items()) if k not in logged]
     for i in range(0, len(new), _MAX_PARAMS):
       self.client.log_batch(self.run_id, params=new[i:i + _MAX_PARAMS])
     if config_file and os.path.exists(config_file):
@@ -86,7 +86,7 @@ class MlflowSink:
 
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
     now = int(time.time() * 1000)
-    metrics = [mlflow_entities.Metric(k, float(v), now, int(step)) for k, v in scalars.items()
+    metrics = [self.entities.Metric(k, float(v), now, int(step)) for k, v in scalars.items()
                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))]
     for i in range(0, len(metrics), _MAX_METRICS):
       self.client.log_batch(self.run_id, metrics=metrics[i:i + _MAX_METRICS])
@@ -99,8 +99,7 @@ class WandbSink:
   """One W&B run per MODEL_DIR (its id from the path, so a relaunch resumes it); offline unless logged in."""
 
   def __init__(self, model_dir: str, params: Mapping[str, str], experiment: str = "", run_name: str = ""):
-    if wandb is None:
-      raise ImportError("observe.ObserveConfig.trackers has 'wandb': pip install 't5x_like[wandb]'")
+    wandb = _require("wandb", "wandb")
     key = os.path.abspath(model_dir) if "://" not in model_dir else model_dir
     mode = os.environ.get("WANDB_MODE") or ("online" if wandb.api.api_key else "offline")
     self.run = wandb.init(project=experiment or DEFAULT_EXPERIMENT, name=run_name or os.path.basename(key.rstrip("/")),
@@ -138,6 +137,9 @@ class Guarded:
 
 
 def validate(names: Sequence[str]) -> None:
+  """Refuses a tracker name not in TRACKERS (and a bare string, which gin gives for a missing tuple comma)."""
+  if isinstance(names, str):
+    raise ValueError(f"observe.ObserveConfig.trackers={names!r}: give a tuple, e.g. ('tensorboard', {names!r})")
   unknown = [n for n in names if n not in TRACKERS]
   if unknown:
     raise ValueError(f"observe.ObserveConfig.trackers: unknown {unknown}; expected any of {TRACKERS}")
@@ -155,10 +157,8 @@ def open_trackers(names: Sequence[str], model_dir: str, config_text: str, tracki
   validate(names)
   if not is_primary:
     return []
-  if "mlflow" in names and mlflow is None:
-    raise ImportError("observe.ObserveConfig.trackers has 'mlflow': pip install 't5x_like[mlflow]'")
-  if "wandb" in names and wandb is None:
-    raise ImportError("observe.ObserveConfig.trackers has 'wandb': pip install 't5x_like[wandb]'")
+  for name in set(names) - {"tensorboard"}:  # a missing package fails the launch, not silently later
+    _require(name, name)
   params = flatten_gin(config_text)
   makers = {"mlflow": lambda: MlflowSink(model_dir, params, os.path.join(model_dir, "config.gin"), tracking_uri,
                                          experiment, run_name),

@@ -21,6 +21,7 @@ from t5x_like.observe import hardware
 from t5x_like.observe import metrics as metrics_lib
 from t5x_like.observe import profiling
 from t5x_like.observe import prometheus
+from t5x_like.observe import trackers
 from t5x_like.parallel import global_batch
 from t5x_like.training import checkpointing as checkpoints
 from t5x_like.training import curriculum
@@ -230,7 +231,12 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
     if exp.mixture:  # data/tokens/<source>: the training tokens each mixture source gave so far
       logger = mixture_lib.TokensSeen(logger, exp.mixture, batch_size=config.batch_size, seq_len=config.seq_len,
                                       num_streams=config.data.data_streams or jax.process_count(), seed=config.seed)
-    sinks = [logger, _PrometheusSink(exporter, config.train_steps)]
+    tracked = trackers.open_trackers(config.observe.trackers, config.model_dir, gin.operative_config_str(),
+                                     config.observe.tracking_uri, config.observe.experiment, is_primary=is_primary)
+    for tracker in tracked:  # MLflow / W&B: the start-up report, then what the logger gets
+      stack.callback(tracker.close)
+      tracker.write(start, report)
+    sinks = [logger, _PrometheusSink(exporter, config.train_steps)] + tracked
     last_step = config.train_steps
     log = hooks_lib.LogHook(hooks_lib.Every(config.log_every, last_step), meter, sinks, train_iter)
     evaluate = hooks_lib.EvalHook(
