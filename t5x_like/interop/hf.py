@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import shutil
 import uuid
 from typing import Iterator, Optional
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import tensorflow as tf
 
 from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.interop import hf_config
@@ -112,6 +114,7 @@ def export_hf(model_dir: str, output_dir: str, config: decoder.GPTConfig, *, ste
   _check_params(params, config, model_dir)
   origins = [run_dir(model_dir)] + [run_dir(p) for p in (metadata.get("lora", {}).get("base"),
                                                            metadata.get("initial_checkpoint")) if p]
+  origins += [d for d in [run_data_dir(model_dir, metadata)] if d and tf.io.gfile.isdir(d)]
   source = tokenizer or next((d for d in origins if find_tokenizer(d) is not None), origins[0])
   tok = find_tokenizer(source)
   _check_tokenizer(tok, config)
@@ -132,8 +135,8 @@ def export_hf(model_dir: str, output_dir: str, config: decoder.GPTConfig, *, ste
     elif tok is not None:
       tok.save_hf(tmp)
     else:
-      logging.warning("%s has no tokenizer: %s gets none (pass --tokenizer=..., e.g. the converted model this "
-                      "run started from, or its DATA_DIR)", source, output_dir)
+      logging.warning("no tokenizer found in %s: %s gets none (pass --tokenizer=..., e.g. the run's DATA_DIR or "
+                      "the converted model it started from)", ", ".join(origins), output_dir)
     _write_text(os.path.join(tmp, CONFIG_FILE),
                 json.dumps(hf_config.to_hf(config, token_ids, dtype), indent=2) + "\n")
     safetensors_io.write(tmp, [(key, functools.partial(produce, tensor, layer)) for key, tensor, layer in entries],
@@ -212,6 +215,21 @@ def run_dir(model_dir: str) -> str:
   if os.path.basename(os.path.dirname(path)) == "checkpoints":
     return os.path.dirname(os.path.dirname(path))
   return path
+
+
+def run_data_dir(model_dir: str, metadata: dict) -> Optional[str]:
+  """The DATA_DIR a run trained on (its tokenizer is the run's): the DATA_DIR binding of the operative gin
+  config its checkpoint records, else of MODEL_DIR/config.gin; None when neither names one."""
+  texts = [metadata.get("gin_config") or ""]
+  config_gin = os.path.join(run_dir(model_dir), "config.gin")
+  if tf.io.gfile.exists(config_gin):
+    with tf.io.gfile.GFile(config_gin) as f:
+      texts.append(f.read())
+  for text in texts:
+    found = re.search(r"^DATA_DIR\s*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+    if found:
+      return found.group(1)
+  return None
 
 
 def find_tokenizer(path: str):
