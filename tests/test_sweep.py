@@ -1,6 +1,7 @@
 """Sweeps: grid validation before any launch; a 2×2 sweep killed -9 mid-way and relaunched gives the same table."""
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -76,6 +77,22 @@ def test_grid_key_that_is_not_a_gin_binding_is_refused_before_any_launch(tmp_pat
   with pytest.raises(ValueError, match="sweep run name-adamx: OptimizerConfig.name='adamx'"):
     sweep.plan(FILES, bindings("/nowhere"), ["."], grid, str(tmp_path / "s"))
   assert not (tmp_path / "s").exists()  # nothing launched, nothing written
+
+
+def test_tokenizer_axis_needs_the_corpus_and_owns_data_dir(tmp_path):
+  with pytest.raises(ValueError, match="--grid key preprocess.vocab_size varies the tokenizer: give the corpus"):
+    sweep.run_sweep(FILES, bindings("/nowhere"), ["."], ["preprocess.vocab_size=[300]"], str(tmp_path / "s"))
+  with pytest.raises(ValueError, match="--grid key preprocess.output_dir: set by the sweep"):
+    sweep.run_sweep(FILES, bindings("/nowhere"), ["."], ["preprocess.output_dir=['x']"], str(tmp_path / "s"),
+                    preprocess_args=["--input=x"])
+  with pytest.raises(ValueError, match="varies both DATA_DIR and the tokenizer"):
+    sweep.run_sweep(FILES, bindings("/nowhere"), ["."], ["preprocess.vocab_size=[300]", "DATA_DIR=['a']"],
+                    str(tmp_path / "s"), preprocess_args=["--input=x"])
+  runs = sweep.plan(FILES, bindings("/nowhere"), ["."], sweep.parse_grid(["preprocess.vocab_size=[300]", GRID[0]]),
+                    str(tmp_path))
+  assert runs[0].data_dir == str(tmp_path / "data" / "vocab_size-300")
+  assert f"DATA_DIR = '{tmp_path / 'data' / 'vocab_size-300'}'" in runs[0].bindings()
+  assert not any(b.startswith("preprocess.") for b in runs[0].bindings())
 
 
 def test_plan_gives_each_combination_its_model_dir_and_steps(tmp_path):
@@ -168,3 +185,25 @@ def _logged_steps(model_dir) -> list:
 
 def _table_missing(output_dir) -> bool:
   return not os.path.exists(os.path.join(output_dir, "results.csv"))
+
+
+@pytest.mark.slow  # preprocesses the corpus twice and trains two tiny runs
+def test_tokenizer_axis_builds_one_dataset_per_setting_once(tmp_path):
+  """--grid=preprocess.vocab_size=[300, 400]: two datasets built by preprocess, each run trained on its own (the
+  embedding follows the vocabulary, padded to 128); a relaunch reuses both datasets and trains nothing."""
+  conftest.write_corpus(str(tmp_path / "raw"))
+  args = [f"--input={tmp_path / 'raw'}/*.txt", "--validation_fraction=0.2", "--num_train_shards=2", "--num_workers=1"]
+  base = [b for b in bindings("/unused") if not b.startswith("DATA_DIR")] + ["TRAIN_STEPS = 4"]
+  logs = []
+  report = sweep.run_sweep(FILES, base, ["."], ["preprocess.vocab_size=[300, 400]"], str(tmp_path / "tok"),
+                           env=env(), preprocess_args=args, log=logs.append)
+  for vocab in (300, 400):
+    manifest = json.loads((tmp_path / "tok" / "data" / f"vocab_size-{vocab}" / "manifest.json").read_text())
+    assert manifest["vocab_size"] == vocab
+  params = {row["run"]: row["params"] for row in report["rows"]}
+  assert params["vocab_size-400"] - params["vocab_size-300"] == (512 - 384) * 32  # tied embedding, d_model 32
+  assert sum("preprocessing" in line for line in logs) == 2
+  logs.clear()
+  sweep.run_sweep(FILES, base, ["."], ["preprocess.vocab_size=[300, 400]"], str(tmp_path / "tok"), env=env(),
+                  preprocess_args=args, log=logs.append)
+  assert sum("built, reused" in line for line in logs) == 2 and not any("training" in line for line in logs)

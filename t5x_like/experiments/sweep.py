@@ -27,6 +27,7 @@ import gin
 
 from t5x_like import cli
 from t5x_like import errors
+from t5x_like.experiments import sweep_data
 from t5x_like.experiments import sweep_report
 from t5x_like.model import decoder
 from t5x_like.observe import plots
@@ -46,9 +47,12 @@ class Run:
   model_dir: str
   train_steps: int  # TRAIN_STEPS of this combination: the step whose eval marks it finished
   tokens_per_step: int  # BATCH_SIZE × SEQ_LEN
+  data_dir: str = ""  # its DATA_DIR when the grid varies the tokenizer (keys preprocess.*), else the config's
 
   def bindings(self) -> list:
-    return [f"{key} = {value!r}" for key, value in self.values] + [f"MODEL_DIR = {self.model_dir!r}"]
+    data = [f"DATA_DIR = {self.data_dir!r}"] if self.data_dir else []
+    return ([f"{key} = {value!r}" for key, value in self.values if not sweep_data.is_data_key(key)] + data
+            + [f"MODEL_DIR = {self.model_dir!r}"])
 
 
 def parse_grid(specs: Sequence[str]) -> list:
@@ -138,6 +142,8 @@ def plan(gin_files: Sequence[str], gin_bindings: Sequence[str], search_paths: Se
     [Run, ...] in grid order (the last key varies fastest).
   """
   base = list(gin_bindings) + [f"MODEL_DIR = {output_dir!r}"]
+  if any(sweep_data.is_data_key(k) for k in grid_keys(grid)):  # each run's DATA_DIR is its tokenizer's dataset
+    base.append(f"DATA_DIR = {os.path.join(output_dir, 'data')!r}")
   try:
     _parse(gin_files, base, search_paths)
   except ValueError as e:
@@ -145,6 +151,8 @@ def plan(gin_files: Sequence[str], gin_bindings: Sequence[str], search_paths: Se
   finally:
     gin.clear_config()
   for key, value in [(k, values[0][i]) for keys, values in grid for i, k in enumerate(keys)]:  # one at a time
+    if sweep_data.is_data_key(key):  # a preprocess flag, checked when the datasets are built
+      continue
     try:
       _parse(gin_files, base + [f"{key} = {value!r}"], search_paths)
     except ValueError as e:
@@ -156,7 +164,7 @@ def plan(gin_files: Sequence[str], gin_bindings: Sequence[str], search_paths: Se
     combo = tuple(pair for axis in axes for pair in axis)
     name = run_name(combo)
     model_dir = os.path.join(output_dir, name)
-    run = Run(name, tuple(combo), model_dir, 0, 0)
+    run = Run(name, tuple(combo), model_dir, 0, 0, sweep_data.data_dir(output_dir, combo))
     try:
       _parse(gin_files, list(gin_bindings) + run.bindings(), search_paths)
       config = _build_configs(f"sweep run {name}")
@@ -238,9 +246,11 @@ def launch_all(runs: list, gin_files, gin_bindings, search_paths, parallel: int 
 
 def run_sweep(gin_files: Sequence[str], gin_bindings: Sequence[str], search_paths: Sequence[str],
               grid_specs: Sequence[str], output_dir: str, parallel: int = 1, log=print,
-              env: Optional[dict] = None) -> dict:
-  """Validates the grid, trains what is not finished, writes the report (also after failed runs). The runs'
-  MLflow experiment / W&B project is the output folder's name unless the bindings set one.
+              env: Optional[dict] = None, preprocess_args: Sequence[str] = ()) -> dict:
+  """Validates the grid, builds the datasets of its tokenizer settings (grid keys preprocess.*, from the
+  `python -m t5x_like.preprocess` flags `preprocess_args`), trains what is not finished, writes the report
+  (also after failed runs). The runs' MLflow experiment / W&B project is the output folder's name unless the
+  bindings set one.
 
   Returns:
     sweep_report.write_report's dict; a run that failed is a ValueError naming it and its log, after the
@@ -251,11 +261,15 @@ def run_sweep(gin_files: Sequence[str], gin_bindings: Sequence[str], search_path
   grid = parse_grid(grid_specs)
   spec = {"gin_files": list(gin_files), "gin_bindings": list(gin_bindings),
           "grid": [[list(keys), [list(v) for v in values]] for keys, values in grid]}
+  sweep_data.check_grid(grid_keys(grid), preprocess_args)
+  if preprocess_args:
+    spec["preprocess"] = list(preprocess_args)
   if not any(b.replace(" ", "").startswith(f"{EXPERIMENT_KEY}=") for b in gin_bindings):  # trackers group the runs
     gin_bindings = list(gin_bindings) + [f"{EXPERIMENT_KEY} = {os.path.basename(os.path.normpath(output_dir))!r}"]
   runs = plan(gin_files, gin_bindings, search_paths, grid, output_dir)
   check_spec(output_dir, spec)
   log(f"sweep: {len(runs)} runs under {output_dir}")
+  sweep_data.prepare(runs, preprocess_args, log, env)
   codes = launch_all(runs, gin_files, gin_bindings, search_paths, parallel, log, env)
   report = sweep_report.write_report(runs, grid_keys(grid), output_dir)
   failed = [f"{name} (exit {code}, see {os.path.join(output_dir, name, 'train.log')})"
