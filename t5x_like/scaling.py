@@ -24,6 +24,7 @@ COMMANDS = ("fit", "plan", "sweep")
 
 def define_flags():
   flags.DEFINE_list("runs", [], "fit: MODEL_DIRs of finished runs (glob patterns allowed), ≥ 3 model sizes.")
+  flags.DEFINE_list("holdout", [], "fit: MODEL_DIRs (globs) left out of the fit; their last eval loss is predicted.")
   flags.DEFINE_list("flops", [], "fit: FLOP budget(s) for the compute-optimal N and D; sweep: the IsoFLOP budgets.")
   flags.DEFINE_integer("bootstrap", 100, "fit: bootstrap resamples (of whole runs) for the parameters' intervals.")
   flags.DEFINE_bool("final_only", False, "fit: only each run's last evaluation (default: every evaluation, with "
@@ -51,12 +52,14 @@ def main(argv):
     raise ValueError(f"expected one command, {' or '.join(COMMANDS)}: python -m t5x_like.scaling fit --runs=DIR,...")
   f = flags.FLAGS
   if argv[1] == "fit":
-    runs = [path for pattern in f.runs for path in (sorted(glob.glob(pattern)) or [pattern])]
+    held = [path for pattern in f.holdout for path in (sorted(glob.glob(pattern)) or [pattern])]
+    runs = [path for pattern in f.runs for path in (sorted(glob.glob(pattern)) or [pattern]) if path not in held]
     points = scaling_runs.load_points(runs, f.final_only)
+    held_out = scaling_runs.load_points(held, f.final_only, min_sizes=1) if held else None
     fit = scaling_law.fit(points.n, points.d, points.loss)
     boot = scaling_law.bootstrap(points.n, points.d, points.loss, fit, f.bootstrap, f.seed, groups=points.run)
     for i, budget in enumerate(_budgets() or [0.0]):
-      text = scaling_runs.report(fit, boot, points, budget)
+      text = scaling_runs.report(fit, boot, points, budget, held_out)
       print(text if i == 0 else text.splitlines()[-1], flush=True)
     if f.save:
       scaling_law.save(fit, f.save, {"bootstrap_5_95_std": boot, "runs": list(points.names)})

@@ -108,9 +108,11 @@ def test_too_few_sizes_and_runs_without_eval_loss_are_one_line_errors_naming_the
 def test_cli_fit_prints_the_law_and_the_compute_optimum(tmp_path):
   """Exact losses of the known law at 5 sizes × 4 evaluations: the CLI recovers its exponents and optimum."""
   dirs = _law_runs(tmp_path)
-  out = subprocess.run([sys.executable, "-m", "t5x_like.scaling", "fit", f"--runs={tmp_path}/run*", "--flops=1e20",
-                        "--bootstrap=4", f"--save={tmp_path}/fit.json"], cwd=REPO, capture_output=True, text=True,
-                       timeout=300)
+  extra = str(tmp_path / "held")  # a sixth size, left out of the fit and predicted
+  fake_run(extra, 60_000_000, [(s, float(TRUE.loss(60_000_000, s * 16 * 128))) for s in (100, 300, 1000, 3000)])
+  out = subprocess.run([sys.executable, "-m", "t5x_like.scaling", "fit", f"--runs={tmp_path}/run*,{extra}",
+                        f"--holdout={extra}", "--flops=1e20", "--bootstrap=4", f"--save={tmp_path}/fit.json"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   alpha = float(re.search(r"alpha = (\S+)", out.stdout).group(1))
   beta = float(re.search(r"beta  = (\S+)", out.stdout).group(1))
@@ -118,6 +120,9 @@ def test_cli_fit_prints_the_law_and_the_compute_optimum(tmp_path):
   n_opt = float(re.search(r"N = ([\d,]+) parameters", out.stdout).group(1).replace(",", ""))
   assert abs(n_opt / TRUE.compute_optimal(1e20)[0] - 1) < 0.1, out.stdout
   assert f"{len(dirs)} runs (5 sizes)" in out.stdout
+  held = re.search(r"held-out run \(last eval\).*\n  (\S+): N=60,000,000 .* (\S+)%", out.stdout)
+  assert held.group(1) == extra + ":" or held.group(1) == extra, out.stdout
+  assert abs(float(held.group(2))) < 1.0, out.stdout  # exact losses of the law: the prediction is within 1%
   plan = subprocess.run([sys.executable, "-m", "t5x_like.scaling", "plan", f"--fit={tmp_path}/fit.json",
                          "--flops=1e20"], cwd=REPO, capture_output=True, text=True, timeout=300)
   assert plan.returncode == 0 and re.search(r"N = ([\d,]+) parameters", plan.stdout).group(1) == f"{n_opt:,.0f}"

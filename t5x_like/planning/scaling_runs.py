@@ -51,7 +51,7 @@ def _config_int(model_dir: str, field: str, macro: str) -> int:
   return int(value)
 
 
-def load_points(model_dirs, final_only: bool = False) -> Points:
+def load_points(model_dirs, final_only: bool = False, min_sizes: int = MIN_SIZES) -> Points:
   """The eval points of each run (only its last with final_only); a run without eval loss or without a
   start-up report, or fewer than MIN_SIZES distinct sizes, is a ValueError naming the run(s)."""
   if not model_dirs:
@@ -78,27 +78,35 @@ def load_points(model_dirs, final_only: bool = False) -> Points:
       loss.append(value)
       run.append(i)
   sizes = sorted(set(n))
-  if len(sizes) < MIN_SIZES:
+  if len(sizes) < min_sizes:
     by_size = ", ".join(f"{model_dirs[run[n.index(s)]]}: N={int(s):,}" for s in sizes)
-    raise ValueError(f"a fit needs runs of at least {MIN_SIZES} model sizes, got {len(sizes)} ({by_size})")
+    raise ValueError(f"a fit needs runs of at least {min_sizes} model sizes, got {len(sizes)} ({by_size})")
   return Points(np.array(n, np.float64), np.array(d, np.float64), np.array(loss, np.float64), np.array(run),
                 tuple(model_dirs))
 
 
-def report(fit: scaling_law.Fit, boot: dict, points: Points, flops: float = 0.0) -> str:
-  """The fit, its bootstrap 90% intervals, each run's residual at its last point, and the optimum at `flops`."""
+def _last_points(fit: scaling_law.Fit, points: Points, title: str) -> list:
+  lines = [f"{title} (last eval): N, D, measured, predicted, error"]
+  for i, name in enumerate(points.names):
+    last = np.flatnonzero(points.run == i)[-1]
+    predicted = fit.loss(points.n[last], points.d[last])
+    lines.append(f"  {name}: N={points.n[last]:,.0f} D={points.d[last]:,.0f} {points.loss[last]:.4f} "
+                 f"{predicted:.4f} {100 * (predicted / points.loss[last] - 1):+.2f}%")
+  return lines
+
+
+def report(fit: scaling_law.Fit, boot: dict, points: Points, flops: float = 0.0, held_out: Points = None) -> str:
+  """The fit, its bootstrap 90% intervals, each run's residual at its last point (and each held-out run's:
+  measured against predicted), and the optimum at `flops`."""
   lines = [f"L(N, D) = E + A/N^alpha + B/D^beta fitted to {len(points.loss)} eval points of "
            f"{len(points.names)} runs ({len(set(points.n.tolist()))} sizes); Huber objective {fit.objective:.3g}"]
   for name in ("E", "A", "B", "alpha", "beta"):
     low, high, std = boot[name] if boot else (float("nan"),) * 3
     lines.append(f"  {name:5s} = {getattr(fit, name):.4g}   90% bootstrap interval [{low:.4g}, {high:.4g}], "
                  f"std {std:.3g}")
-  lines.append("run (last eval): N, D, measured, predicted, error")
-  for i, name in enumerate(points.names):
-    last = np.flatnonzero(points.run == i)[-1]
-    predicted = fit.loss(points.n[last], points.d[last])
-    lines.append(f"  {name}: N={points.n[last]:,.0f} D={points.d[last]:,.0f} {points.loss[last]:.4f} "
-                 f"{predicted:.4f} {100 * (predicted / points.loss[last] - 1):+.2f}%")
+  lines += _last_points(fit, points, "fitted run")
+  if held_out is not None:
+    lines += _last_points(fit, held_out, "held-out run")
   if flops > 0:
     n_opt, d_opt = fit.compute_optimal(flops)
     lines.append(f"compute-optimal at C = {flops:.3g} FLOPs (C ≈ 6ND): N = {n_opt:,.0f} parameters, "
