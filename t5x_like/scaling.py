@@ -30,6 +30,7 @@ def define_flags():
   flags.DEFINE_bool("final_only", False, "fit: only each run's last evaluation (default: every evaluation, with "
                     "D = tokens seen there).")
   flags.DEFINE_integer("seed", 0, "fit: the bootstrap's seed.")
+  flags.DEFINE_string("plot", None, "fit: PNG of the runs' eval losses and the fitted curves.")
   flags.DEFINE_string("save", None, "fit: also write the fit (and its bootstrap intervals) to this JSON file.")
   flags.DEFINE_string("fit", None, "plan: a JSON fit written by `fit --save`.")
   flags.DEFINE_string("gin_file", "configs/experiments/pystdlib_demo.gin", "sweep: the run's gin file.")
@@ -61,6 +62,8 @@ def main(argv):
     for i, budget in enumerate(_budgets() or [0.0]):
       text = scaling_runs.report(fit, boot, points, budget, held_out)
       print(text if i == 0 else text.splitlines()[-1], flush=True)
+    if f.plot:
+      print(f"plot written to {scaling_runs.plot_fit(fit, points, f.plot, held_out)}", flush=True)
     if f.save:
       scaling_law.save(fit, f.save, {"bootstrap_5_95_std": boot, "runs": list(points.names)})
       print(f"fit written to {f.save}", flush=True)

@@ -111,7 +111,8 @@ def test_cli_fit_prints_the_law_and_the_compute_optimum(tmp_path):
   extra = str(tmp_path / "held")  # a sixth size, left out of the fit and predicted
   fake_run(extra, 60_000_000, [(s, float(TRUE.loss(60_000_000, s * 16 * 128))) for s in (100, 300, 1000, 3000)])
   out = subprocess.run([sys.executable, "-m", "t5x_like.scaling", "fit", f"--runs={tmp_path}/run*,{extra}",
-                        f"--holdout={extra}", "--flops=1e20", "--bootstrap=4", f"--save={tmp_path}/fit.json"], cwd=REPO,
+                        f"--holdout={extra}", "--flops=1e20", "--bootstrap=4", f"--save={tmp_path}/fit.json",
+                        f"--plot={tmp_path}/fit.png"], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   alpha = float(re.search(r"alpha = (\S+)", out.stdout).group(1))
@@ -123,6 +124,7 @@ def test_cli_fit_prints_the_law_and_the_compute_optimum(tmp_path):
   held = re.search(r"held-out run \(last eval\).*\n  (\S+): N=60,000,000 .* (\S+)%", out.stdout)
   assert held.group(1) == extra + ":" or held.group(1) == extra, out.stdout
   assert abs(float(held.group(2))) < 1.0, out.stdout  # exact losses of the law: the prediction is within 1%
+  assert (tmp_path / "fit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   plan = subprocess.run([sys.executable, "-m", "t5x_like.scaling", "plan", f"--fit={tmp_path}/fit.json",
                          "--flops=1e20"], cwd=REPO, capture_output=True, text=True, timeout=300)
   assert plan.returncode == 0 and re.search(r"N = ([\d,]+) parameters", plan.stdout).group(1) == f"{n_opt:,.0f}"

@@ -147,3 +147,34 @@ def isoflop_sweep_command(flops_budgets, vocab_size: int, max_len: int, batch_si
              f"--gin.model.GPTConfig.vocab_size={vocab_size} \\\n"
              f"    --grid=\"({keys})=[{','.join(values)}]\"")
   return "\n".join(rows) + "\n\n" + command
+
+
+def plot_fit(fit: scaling_law.Fit, points: Points, out: str, held_out: Points = None, dpi: int = 110) -> str:
+  """Eval loss against tokens, one colour per run (hollow markers: held out), with the fitted L(N, D) of each
+  run's N as a line; returns the PNG's path."""
+  if plots.plt is None:
+    raise ImportError("--plot needs matplotlib: pip install 't5x_like[plot]'")
+  fig, ax = plots.plt.subplots(figsize=(8, 5))
+  colours = plots.plt.get_cmap("viridis")
+  groups = [(points, False)] + ([(held_out, True)] if held_out is not None else [])
+  sizes = sorted({float(n) for g, _ in groups for n in g.n})
+  for group, held in groups:
+    for i, name in enumerate(group.names):
+      pick = group.run == i
+      n, d, loss = group.n[pick][0], group.d[pick], group.loss[pick]
+      colour = colours(sizes.index(float(n)) / max(1, len(sizes) - 1))
+      ax.plot(d, loss, "o", color=colour, markerfacecolor="none" if held else colour,
+              label=f"N={n:,.0f}{' (held out)' if held else ''}")
+      grid = np.geomspace(d.min(), d.max(), 50)
+      ax.plot(grid, fit.loss(n, grid), "--" if held else "-", color=colour, linewidth=1)
+  ax.set_xscale("log")
+  ax.set_xlabel("training tokens D")
+  ax.set_ylabel("eval loss (nats/token)")
+  ax.set_title(f"L(N, D) = {fit.E:.3g} + {fit.A:.3g}/N^{fit.alpha:.3g} + {fit.B:.3g}/D^{fit.beta:.3g}")
+  ax.grid(alpha=0.3, which="both")
+  ax.legend(fontsize="small")
+  fig.tight_layout()
+  with epath.Path(out).open("wb") as f:
+    fig.savefig(f, dpi=dpi, format="png")
+  plots.plt.close(fig)
+  return out
