@@ -107,6 +107,21 @@ def test_plan_gives_each_combination_its_model_dir_and_steps(tmp_path):
   assert runs[2].bindings()[-1] == f"MODEL_DIR = '{tmp_path / runs[2].name}'"
 
 
+def test_finished_means_the_final_eval_is_logged_and_a_cut_line_is_skipped(tmp_path):
+  run = sweep.Run("r", (("SEED", 1),), str(tmp_path), train_steps=8, tokens_per_step=128)
+  assert not sweep.is_finished(run) and sweep_report.summarize(run)["status"] == "not started"
+  lines = [{"step": 0, "params/total": 10, "memory/opt_state_bytes_per_device": 80},
+           {"step": 8, "loss": 2.5, "tokens_per_sec": 100.0, "memory/host_rss_peak_bytes": 2**30}]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 8, "ev')
+  assert not sweep.is_finished(run) and sweep_report.summarize(run)["status"] == "incomplete"
+  with open(tmp_path / "metrics.jsonl", "a") as f:  # the relaunch appends after the line a kill cut
+    f.write("\n" + json.dumps({"step": 8, "eval/loss": 2.25}) + "\n")
+  row = sweep_report.summarize(run)
+  assert sweep.is_finished(run) and row["status"] == "finished"
+  assert (row["final_train_loss"], row["final_eval_loss"], row["params"], row["opt_state_bytes_per_device"],
+          row["peak_memory_bytes"], row["tokens_per_sec"]) == (2.5, 2.25, 10, 80, 2**30, 100.0)
+
+
 def test_cli_help_and_one_line_error():
   out = subprocess.run([sys.executable, "-m", "t5x_like.sweep", "--help"], cwd=REPO, env=env(), capture_output=True,
                        text=True, timeout=300)

@@ -30,7 +30,6 @@ from t5x_like import errors
 from t5x_like.experiments import sweep_data
 from t5x_like.experiments import sweep_report
 from t5x_like.model import decoder
-from t5x_like.observe import plots
 from t5x_like.training import optimizer
 from t5x_like.training import precision
 
@@ -179,10 +178,7 @@ def plan(gin_files: Sequence[str], gin_bindings: Sequence[str], search_paths: Se
 
 def is_finished(run: Run) -> bool:
   """Whether the run's metrics.jsonl has an eval at its final step (a kill before that relaunches it)."""
-  try:
-    records = plots.read_records(run.model_dir)
-  except (FileNotFoundError, ValueError):  # not started, or a line cut by a kill
-    return False
+  records = sweep_report.read_records(run.model_dir)
   return any(r.get("step") == run.train_steps and "eval/loss" in r for r in records)
 
 

@@ -3,6 +3,7 @@ and every run's eval-loss curve in one PNG."""
 
 import csv
 import io
+import json
 import statistics
 
 from etils import epath
@@ -17,6 +18,21 @@ COLUMNS = (  # (CSV column, Markdown header, format)
     ("opt_state_bytes_per_device", "optimizer bytes/device", "{:,}"),
     ("params", "parameters", "{:,}"),
 )
+
+
+def read_records(model_dir: str) -> list:
+  """MODEL_DIR/metrics.jsonl's records, skipping a line a kill cut short (the relaunch appends after it);
+  [] when the run has not logged yet."""
+  path = epath.Path(model_dir) / "metrics.jsonl"
+  if not path.exists():
+    return []
+  records = []
+  for line in path.read_text(encoding="utf-8").splitlines():
+    try:
+      records.append(json.loads(line))
+    except ValueError:
+      continue
+  return records
 
 
 def _last(records: list, key: str, step=None):
@@ -36,9 +52,8 @@ def summarize(run) -> dict:
   """
   row = {"run": run.name, **{key: value for key, value in run.values}, "status": "not started"}
   row.update({column: None for column, _, _ in COLUMNS})
-  try:
-    records = plots.read_records(run.model_dir)
-  except (FileNotFoundError, ValueError):
+  records = read_records(run.model_dir)
+  if not records:
     return row
   row["final_train_loss"] = _last(records, "loss", run.train_steps)
   row["final_eval_loss"] = _last(records, "eval/loss", run.train_steps)
@@ -93,10 +108,7 @@ def plot_eval_curves(runs: list, out: str, dpi: int = 110) -> str:
     raise ImportError("the sweep's PNG needs matplotlib: pip install 't5x_like[plot]'")
   fig, ax = plots.plt.subplots(figsize=(8, 5))
   for run in runs:
-    try:
-      steps, losses = plots.series(plots.read_records(run.model_dir), "eval/loss")
-    except (FileNotFoundError, ValueError):
-      continue
+    steps, losses = plots.series(read_records(run.model_dir), "eval/loss")
     if steps:
       ax.plot([s * run.tokens_per_step for s in steps], losses, "o-", label=run.name, markersize=3)
   ax.set_xlabel("training tokens")
