@@ -156,8 +156,8 @@ class Engine:
              seed: Optional[int] = None, stream: Optional[int] = None) -> int:
     """Queues `n` samples of one prompt (they share one prefill); returns the request id.
 
-    The samples draw with `sampling.seed`, else `seed`, else the engine's seed; `stream` (default: the
-    request id) tells apart requests of one seed.
+    The samples draw with `sampling.seed` (stream 0), else with `seed` (else the engine's) and `stream`
+    (default: the request id), which tells apart requests of one seed.
 
     Raises:
       ValueError: an empty prompt, n outside 1..slots, or prompt + max_tokens over the model's or cache's length.
@@ -176,8 +176,10 @@ class Engine:
       raise ValueError(f"Engine.submit: stop strings {sampling.stop!r} need Engine(detokenize=...)")
     rid = self._next_id
     self._next_id += 1
-    seed = sampling.seed if sampling.seed is not None else (self.seed if seed is None else seed)
-    stream = rid if stream is None else stream
+    if sampling.seed is not None:  # the request's own seed: the same draws wherever and whenever it runs
+      seed, stream = sampling.seed, 0
+    else:
+      seed, stream = self.seed if seed is None else seed, rid if stream is None else stream
     request = _Request(rid, prompt, [_Sequence(rid, i, len(prompt), sampling, seed, stream) for i in range(n)])
     self._requests[rid] = request
     self._waiting.append(request)
