@@ -2,7 +2,6 @@
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -71,7 +70,7 @@ def losses(model_dir):
 
 def test_two_processes_match_one_survive_a_dead_peer_and_checkpoints_cross_over(dataset, tmp_path):
   """A 2-process run (2 × 2 CPU devices) loses process 1 to SIGKILL once it has a committed checkpoint:
-  process 0 exits non-zero within the heartbeat timeout, naming the dead process. Relaunching both
+  process 0 exits 1 within the heartbeat timeout with one line naming the dead process. Relaunching both
   processes resumes from the newest checkpoint; a 1-process (4-device) launch then continues the
   checkpoint two processes wrote. Every step's loss equals that of an uninterrupted 1-process run (same
   global batches with the default data streams, same math, up to float32 reduction order)."""
@@ -94,11 +93,11 @@ def test_two_processes_match_one_survive_a_dead_peer_and_checkpoints_cross_over(
   procs[1].send_signal(signal.SIGKILL)
   start = time.time()
   out, _ = procs[0].communicate(timeout=120)
-  assert procs[0].returncode != 0
+  assert procs[0].returncode == 1, out[-2000:]  # not jaxlib's abort (134) on the service's error
   assert time.time() - start < 90  # heartbeat timeout 10 s, plus a loaded machine's slack
-  # either our line naming the dead process, or JAX's own heartbeat verdict naming it
-  named = "process(es) [1] stopped responding" in out or re.search(r"stopped sending heartbeats\):\s*1", out)
-  assert named, out[-2000:]
+  errors = [line for line in out.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "process(es) [1] stopped responding" in errors[0], out[-2000:]
+  assert "Fatal Python error" not in out and "Check failure" not in out, out[-2000:]
   procs[1].communicate(timeout=10)
   steps = logged()  # process 0 alone writes: one record per step, one event file
   assert steps == list(range(1, len(steps) + 1)), steps

@@ -1,5 +1,6 @@
 """Multi-process start-up through JAX's own runtime (`jax.distributed`), before anything touches devices."""
 
+import atexit
 import faulthandler
 import importlib.metadata
 import os
@@ -69,6 +70,10 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
   if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
     raise ValueError(f"--process_id={process_id} is outside 0..{num_processes - 1} (--num_processes={num_processes})")
   _HEARTBEAT_TIMEOUT[0] = heartbeat_timeout
+  # A dead peer is not fatal to the coordination service: without this, jaxlib's client aborts every survivor
+  # the moment the service sees a task die (a C++ check failure and exit 134). With it, the survivor's next
+  # collective fails as a Python error, and `explain` names the dead process(es) in the one-line exit.
+  jax.config.update("jax_enable_recoverability", True)
   jax.distributed.initialize(coordinator_address, num_processes, process_id,
                              initialization_timeout=initialization_timeout,
                              heartbeat_timeout_seconds=heartbeat_timeout,
@@ -76,6 +81,7 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
   logging.info("process %d of %d; %d local / %d global devices", jax.process_index(), jax.process_count(),
                jax.local_device_count(), jax.device_count())
   _exit_hard_on_uncaught_exceptions()
+  _watch_peers(heartbeat_timeout)
   errors.set_exit_reason(lambda e: f"process {jax.process_index()}: {explain(e)}")
   return True
 
@@ -133,6 +139,26 @@ def explain(exc: BaseException, with_type: bool = False) -> str:
     if missing:
       return f"process(es) {missing} stopped responding ({reason})"
   return reason
+
+
+def _watch_peers(heartbeat_timeout: int) -> None:
+  """A daemon thread asks the coordination service which processes are alive (`live_processes`, a barrier every
+  live process's watcher joins) and, when one is gone, ends this process with one line naming it and exit 1: the
+  survivor's own collectives would otherwise wait on the dead peer forever. It stops at a normal exit (atexit runs
+  it before jax.distributed's shutdown), when peers leave on purpose."""
+  finishing = threading.Event()
+  atexit.register(finishing.set)
+  interval = max(1.0, heartbeat_timeout / 10)
+
+  def watch():
+    while not finishing.wait(interval):
+      missing = missing_processes(0)
+      if missing and not finishing.is_set():
+        print(f"error: process {jax.process_index()}: process(es) {missing} stopped responding (found by the "
+              "coordination service's liveness check)", file=sys.stderr, flush=True)
+        exit_now(1)
+
+  threading.Thread(target=watch, name="t5x_like-peer-watch", daemon=True).start()
 
 
 def may_be_a_dead_peer(exc_type, tb) -> bool:
