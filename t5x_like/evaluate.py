@@ -2,7 +2,7 @@
 
 `--generate --prompt_file=IN.jsonl`: answer each conversation greedily and score it against its reference (the
 final assistant turn, or `completion`): exact match, and the teacher-forced loss on the references
-(inference/chat_eval.py). The report is one JSON object (stdout, and --output_file).
+(inference/chat_eval.py: the engine generates, the language-model objective scores). The report is one JSON object (stdout, and --output_file).
 """
 
 import dataclasses
@@ -17,6 +17,7 @@ from t5x_like.data import tokenizer
 from t5x_like.model import decoder as model
 from t5x_like.inference import chat_eval
 from t5x_like.training import optimizer
+from t5x_like.training.objectives import language_model
 from t5x_like.training import experiment
 
 gin_utils.define_gin_flags()
@@ -46,7 +47,10 @@ def generate_main(exp: experiment.Experiment) -> None:
   encoder = chat_eval.encoder_for(exp, gin_utils.configured(chat.ChatTemplate, "data"), FLAGS.tokenizer)
   with exp.context():
     step, params = exp.restore_params(FLAGS.step)
-    scores = chat_eval.evaluate(params, encoder, lines, objective=exp.model_objective, config=exp.model_config,
+    objective = language_model.LanguageModel(
+        apply_fn=model.GPT(exp.model_config).apply, loss_chunk=exp.config.loss_chunk,
+        logits_fn=lambda p, hidden: model.project_logits(p, hidden, exp.model_config))
+    scores = chat_eval.evaluate(params, encoder, lines, objective=objective, config=exp.model_config,
                                 batch_size=FLAGS.batch_size, max_new_tokens=FLAGS.max_new_tokens,
                                 loss_chunk=exp.config.loss_chunk)
   report = {"step": int(step), "prompt_file": FLAGS.prompt_file, **scores}

@@ -14,6 +14,8 @@ from t5x_like import files
 from t5x_like.data import chat
 from t5x_like.model import decoder as model
 from t5x_like.inference import chat_eval
+from t5x_like.inference.engine import Engine
+from t5x_like.inference.sampling import SamplingParams
 from t5x_like.training import optimizer
 from t5x_like.training import experiment
 
@@ -32,7 +34,7 @@ def define_flags() -> None:
                     "Each --prompt is one user turn.")
   flags.DEFINE_string("output_file", None, "--chat: write the answered conversations here as JSON lines "
                       "(default: stdout).")
-  flags.DEFINE_integer("batch_size", 16, "--chat: conversations generated at once.")
+  flags.DEFINE_integer("batch_size", 16, "Sequences generated at once (the engine's slots).")
   flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate after each prompt.")
   flags.DEFINE_float("temperature", 0.0, "0 = greedy; otherwise softmax temperature.")
   flags.DEFINE_integer("top_k", 0, "Sample only among the k most likely tokens (0 = all).")
@@ -63,9 +65,9 @@ def chat_main(exp: experiment.Experiment) -> None:
                        "prompt + --max_new_tokens")
   with exp.context():
     step, params = exp.restore_params(FLAGS.step)
-    texts = chat_eval.generate(params, encoder, prompts, config=exp.model_config, max_new_tokens=FLAGS.max_new_tokens,
-                               batch_size=FLAGS.batch_size, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
-                               top_p=FLAGS.top_p, seed=FLAGS.seed)
+    engine = chat_eval.engine_for(params, exp.model_config, FLAGS.batch_size, encoder, seed=FLAGS.seed)
+    texts = chat_eval.generate(engine, encoder, prompts, max_new_tokens=FLAGS.max_new_tokens,
+                               temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed)
   out = "".join(json.dumps(chat_eval.answered(line, text), ensure_ascii=False) + "\n"
                 for line, text in zip(lines, texts))
   if FLAGS.output_file:
@@ -75,6 +77,26 @@ def chat_main(exp: experiment.Experiment) -> None:
     print(f"# checkpoint step {step}", file=sys.stderr, flush=True)
     sys.stdout.write(out)
     sys.stdout.flush()
+
+
+def sample(exp, prompts: list) -> tuple:
+  """(checkpoint step, continuation text of each prompt) from the engine: --batch_size slots, stopped at EOS."""
+  tok = exp.load_tokenizer(FLAGS.tokenizer)
+  encoded = [tok.encode(p) for p in prompts]
+  longest = max(len(e) for e in encoded) + FLAGS.max_new_tokens
+  if longest > exp.model_config.max_len:
+    raise ValueError(f"prompt + --max_new_tokens = {longest} tokens exceeds the model's "
+                     f"max_len={exp.model_config.max_len}")
+  if FLAGS.batch_size < 1:
+    raise ValueError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
+  sampling = SamplingParams(max_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
+                            top_p=FLAGS.top_p, stop_token_ids=(tok.eos_id,))
+  with exp.context():
+    step, params = exp.restore_params(FLAGS.step)
+    engine = Engine(exp.model_config, params, exp.mesh, exp.rules, slots=FLAGS.batch_size, pad_id=tok.pad_id,
+                    seed=FLAGS.seed)
+    out = engine.generate(encoded, sampling)
+  return step, [tok.decode([t for t in c.tokens if t != tok.eos_id]) for [c] in out]
 
 
 def main(argv):
@@ -92,9 +114,7 @@ def main(argv):
       prompts += [line.rstrip("\n") for line in f if line.strip()]
   if not prompts:
     raise ValueError("no prompt: pass --prompt='...' (repeatable) or --prompt_file=FILE")
-  step, continuations = exp.sample(prompts, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-                                   top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed, step=FLAGS.step,
-                                   tokenizer=FLAGS.tokenizer)
+  step, continuations = sample(exp, prompts)
   print(f"# checkpoint step {step}", flush=True)
   for i, (prompt, text) in enumerate(zip(prompts, continuations)):
     if len(prompts) > 1:  # a continuation may span lines: mark where each sample starts

@@ -1,4 +1,4 @@
-"""Chat inference and evaluation by generation: `infer --chat` answers as `decoding.generate` does, exact match of a
+"""Chat inference and evaluation by generation: `infer --chat` answers as the engine does, exact match of a
 model whose answers are known, the reference loss against the input pipeline's, and bad lines named by file:line."""
 
 import json
@@ -18,9 +18,9 @@ from t5x_like.data import chat_synth
 from t5x_like.data import preprocessing
 from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.model import decoder as model_lib
-from t5x_like.model import decoding
 from t5x_like.parallel import partitioning
 from t5x_like.inference import chat_eval
+from tests.decode_reference import generate_by_recompute
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
 from t5x_like.training import experiment as experiment_lib
@@ -106,21 +106,16 @@ def run_cli(module: str, *args) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow  # fast subset: the developer loop; CI runs it
-def test_infer_chat_writes_the_answers_decoding_generate_gives(setup, tmp_path):
+def test_infer_chat_writes_the_greedy_answers(setup, tmp_path):
   lines = chat_eval.read_chat_lines(setup["files"]["mixed"])
   encoder, tok = setup["encoder"], setup["tok"]
   prompts = [encoder.prompt_ids(line.messages) for line in lines]
   # the prompt is the rendering preprocess trains on, cut before the reference turn's content
   doc = encoder.render(list(lines[2].messages) + [("assistant", lines[2].reference)])
   assert prompts[2] == doc.ids[:doc.turn_ends[-2] + 1].tolist() and prompts[2][-1] == encoder.marker_ids["assistant"]
-  with setup["exp"].context():
-    tokens, segments = decoding.left_pad(prompts, tok.pad_id)
-    want = np.asarray(decoding.generate(setup["random"], tokens, segments, jax.random.key(0),
-                                        config=setup["exp"].model_config, max_new_tokens=6,
-                                        eos_id=encoder.marker_ids["end"], pad_id=tok.pad_id))
-  stops = (encoder.marker_ids["end"], tok.eos_id)
-  texts = [tok.decode([int(t) for t in row[:next((i for i, t in enumerate(row) if t in stops), len(row))]])
-           for row in want]
+  # the cache-free greedy reference, cut at the end marker or EOS
+  texts = [encoder.completion_text(np.asarray(generate_by_recompute(
+      setup["random"], np.array([p]), config=setup["exp"].model_config, max_new_tokens=6))[0]) for p in prompts]
   assert len(set(texts)) == len(texts) and all(texts)  # distinct, non-empty answers: a meaningful comparison
   out = tmp_path / "out.jsonl"
   result = run_cli("t5x_like.infer", "--chat", f"--prompt_file={setup['files']['mixed']}", f"--output_file={out}",

@@ -1,6 +1,7 @@
-"""Decoding: the KV-cache path gives the logits of a full recompute at every step (left-padded batches of
-different prompt lengths included); EOS stops a row; top-k / top-p / temperature keep exactly the tokens
-they should, and sampling never leaves the kept set.
+"""Decoding: the decoder's KV-cache API gives the full forward logits for chunks fed in turn (left padding
+included); the engine's greedy tokens are those of a cache-free recompute; top-k / top-p / temperature keep
+exactly the tokens they should, per row, and sampling never leaves the kept set. (Step-by-step logits of the
+engine against a recompute, continuous batching and stops: tests/test_engine.py.)
 
 Tolerances: float32 throughout. Logits of the random model spread ≈ 0.8 per row (std ≈ 0.12); the cache
 path equals the recompute within 1e-6 (measured ≤ 1e-7: the same ops over a different key count), while
@@ -14,19 +15,28 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from t5x_like.inference import sampling
+from t5x_like.inference.engine import Engine
+from t5x_like.inference.sampling import SamplingParams
 from t5x_like.model import decoder as model_lib
-from t5x_like.model import decoding
+from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.parallel import partitioning
+from tests.decode_reference import generate_by_recompute
 
 CFG = model_lib.GPTConfig(vocab_size=128, max_len=32, num_layers=2, num_heads=4, d_model=32, d_ff=64,
                           dtype="float32")
 LOGITS_ATOL = 1e-6
-GENERATE_STATIC = ("config", "max_new_tokens", "temperature", "top_k", "top_p", "eos_id", "pad_id")
 
 
 @pytest.fixture(scope="module")
 def params():
   return partitioning.unbox(model_lib.GPT(CFG).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+
+
+@pytest.fixture(scope="module")
+def engine(params):
+  mesh = mesh_lib.create_mesh({"data": 1}, devices=jax.devices()[:1])
+  return Engine(CFG, params, mesh, partitioning.DEFAULT_RULES, slots=2)
 
 
 @pytest.fixture(scope="module")
@@ -41,41 +51,6 @@ def full_logits(params):
     padded[0, :len(tokens)] = tokens
     return np.asarray(apply(padded))[0, :len(tokens)]
   return logits
-
-
-def generate_recording_logits(params, tokens, segments, monkeypatch, **kwargs):
-  """`decoding.generate`, also returning the (B, V) logits it chose each new token from (prefill, then
-  one cached step per token): (tokens (B, N), logits (N, B, V))."""
-  seen = []
-  choose = decoding.choose
-
-  def recording_choose(logits, *args):
-    jax.debug.callback(lambda x: seen.append(np.asarray(x)), logits, ordered=True)
-    return choose(logits, *args)
-
-  monkeypatch.setattr(decoding, "choose", recording_choose)
-  fresh = jax.jit(decoding.generate.__wrapped__, static_argnames=GENERATE_STATIC)  # traced with the recorder
-  out = np.asarray(fresh(params, tokens, segments, jax.random.key(0), config=CFG, **kwargs))
-  n = out.shape[1]
-  assert len(seen) == n + 1  # the scan's last step also draws a token, never emitted
-  return out, np.stack(seen[:n])
-
-
-def test_kv_cache_logits_equal_full_recompute_for_left_padded_prompts(params, full_logits, monkeypatch):
-  """Every step of `generate` (prefill + per-token cached steps) sees the logits a full forward pass over
-  that row's prompt and emitted tokens gives, for prompts of 7, 1, 3 and 5 tokens left-padded into one
-  batch. Sampling at temperature 1 makes the continuations varied (not one repeated token)."""
-  rng = np.random.RandomState(3)
-  prompts = [list(rng.randint(4, 128, n)) for n in (7, 1, 3, 5)]
-  tokens, segments = decoding.left_pad(prompts)
-  new = 10
-  out, logits = generate_recording_logits(params, tokens, segments, monkeypatch, max_new_tokens=new,
-                                          temperature=1.0)
-  assert all(len(set(row)) > new // 2 for row in out.tolist()), out
-  for row, prompt in enumerate(prompts):
-    reference = full_logits(prompt + out[row].tolist())  # (P + new, V); causal: position i sees only ≤ i
-    np.testing.assert_allclose(logits[:, row], reference[len(prompt) - 1:len(prompt) - 1 + new],
-                               rtol=0, atol=LOGITS_ATOL)
 
 
 def test_decoder_cache_chunks_give_the_full_forward_logits(params, full_logits):
@@ -97,32 +72,20 @@ def test_decoder_cache_chunks_give_the_full_forward_logits(params, full_logits):
   np.testing.assert_allclose(np.concatenate(cached), full_logits(seq.tolist()), rtol=0, atol=LOGITS_ATOL)
 
 
-def test_greedy_tokens_are_the_argmax_of_the_recomputed_logits(params, full_logits):
+def test_greedy_tokens_are_those_of_a_cache_free_recompute(params, engine):
   rng = np.random.RandomState(2)
   prompts = [list(rng.randint(4, 128, 5)), list(rng.randint(4, 128, 2))]
-  tokens, segments = decoding.left_pad(prompts)
-  out = np.asarray(decoding.generate(params, tokens, segments, jax.random.key(0), config=CFG, max_new_tokens=6))
-  for row, prompt in enumerate(prompts):
-    reference = full_logits(prompt + out[row].tolist())
-    np.testing.assert_array_equal(out[row], reference[len(prompt) - 1:-1].argmax(-1))
+  out = engine.generate(prompts, SamplingParams(max_tokens=6))
+  for prompt, [c] in zip(prompts, out):
+    want = np.asarray(generate_by_recompute(params, np.array([prompt]), config=CFG, max_new_tokens=6))[0]
+    np.testing.assert_array_equal(c.tokens, want)
 
 
-def test_eos_stops_a_row(params):
-  # greedy run, then ask it to stop at its own first generated token
-  prompt = np.array([[5, 6, 7]], np.int32)
-  free = np.asarray(decoding.generate(params, prompt, np.ones_like(prompt), jax.random.key(0), config=CFG,
-                                      max_new_tokens=6))
-  stopped = np.asarray(decoding.generate(params, prompt, np.ones_like(prompt), jax.random.key(0), config=CFG,
-                                         max_new_tokens=6, eos_id=int(free[0, 0]), pad_id=0))
-  assert stopped[0, 0] == free[0, 0] and (stopped[0, 1:] == 0).all(), (free, stopped)
-
-
-def test_top_k_one_is_greedy(params):
-  prompt = np.array([[9, 10, 11]], np.int32)
-  greedy = decoding.generate(params, prompt, np.ones_like(prompt), jax.random.key(0), config=CFG, max_new_tokens=5)
-  sampled = decoding.generate(params, prompt, np.ones_like(prompt), jax.random.key(7), config=CFG,
-                              max_new_tokens=5, temperature=1.3, top_k=1)
-  np.testing.assert_array_equal(np.asarray(greedy), np.asarray(sampled))
+def test_top_k_one_is_greedy(engine):
+  prompt = [9, 10, 11]
+  [[greedy]] = engine.generate([prompt], SamplingParams(max_tokens=5))
+  [[sampled]] = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=1.3, top_k=1, seed=7))
+  assert greedy.tokens == sampled.tokens
 
 
 # Filtering and sampling on hand-made (B, V) logits.
@@ -162,7 +125,7 @@ def nucleus(logits: np.ndarray, p: float) -> list:
 @pytest.mark.parametrize("k", [1, 3, 15])
 def test_top_k_keeps_exactly_the_k_largest_unchanged(k):
   logits = random_logits()
-  filtered = np.asarray(decoding.filter_logits(jnp.asarray(logits), top_k=k))
+  filtered = np.asarray(sampling.filter_logits(jnp.asarray(logits), top_k=k))
   assert kept(filtered) == [set(np.flatnonzero(np.isfinite(row)).tolist()) for row in top_k_only(logits, k)]
   survivors = filtered > np.finfo(np.float32).min
   np.testing.assert_array_equal(filtered[survivors], logits[survivors])
@@ -171,24 +134,24 @@ def test_top_k_keeps_exactly_the_k_largest_unchanged(k):
 @pytest.mark.parametrize("p", [0.05, 0.3, 0.6, 0.9, 0.99])
 def test_top_p_keeps_the_smallest_set_reaching_p(p):
   logits = random_logits(batch=8)
-  sets = kept(decoding.filter_logits(jnp.asarray(logits), top_p=p))
+  sets = kept(sampling.filter_logits(jnp.asarray(logits), top_p=p))
   assert sets == nucleus(logits, p)
 
 
 def test_top_p_applies_to_the_top_k_distribution():
   """top-k first, then the nucleus of the renormalised top-k distribution (the order HF's warpers use)."""
   logits = random_logits(batch=8)
-  assert kept(decoding.filter_logits(jnp.asarray(logits), top_k=3, top_p=0.7)) == nucleus(top_k_only(logits, 3), 0.7)
+  assert kept(sampling.filter_logits(jnp.asarray(logits), top_k=3, top_p=0.7)) == nucleus(top_k_only(logits, 3), 0.7)
 
 
 def test_no_filter_keeps_every_token():
   logits = random_logits()
-  np.testing.assert_array_equal(np.asarray(decoding.filter_logits(jnp.asarray(logits), top_k=0, top_p=1.0)), logits)
+  np.testing.assert_array_equal(np.asarray(sampling.filter_logits(jnp.asarray(logits), top_k=0, top_p=1.0)), logits)
 
 
 def sample_many(logits, temperature, top_k=0, top_p=1.0, seeds=2000) -> np.ndarray:
   """(seeds, B) tokens drawn by `choose`, one PRNG key per draw."""
-  draw = jax.jit(jax.vmap(lambda key: decoding.choose(jnp.asarray(logits), key, temperature, top_k, top_p)))
+  draw = jax.jit(jax.vmap(lambda key: sampling.choose(jnp.asarray(logits), key, temperature, top_k, top_p)))
   return np.asarray(draw(jax.random.split(jax.random.key(1), seeds)))
 
 
@@ -196,7 +159,7 @@ def test_temperature_zero_and_near_zero_are_greedy():
   logits = random_logits()
   greedy = logits.argmax(-1)
   assert (np.diff(np.sort(logits, -1)[:, -2:], axis=-1) > 1e-2).all()  # 1e-4 sharpens every top gap ≫ 1
-  np.testing.assert_array_equal(np.asarray(decoding.choose(jnp.asarray(logits), jax.random.key(0), 0.0, 0, 1.0)),
+  np.testing.assert_array_equal(np.asarray(sampling.choose(jnp.asarray(logits), jax.random.key(0), 0.0, 0, 1.0)),
                                 greedy)
   assert (sample_many(logits, 1e-4, seeds=200) == greedy).all()
 
@@ -223,10 +186,24 @@ def test_samples_stay_in_the_kept_set_with_its_tempered_probabilities(temperatur
 
 def test_left_pad_right_aligns_prompts_to_the_longest_or_a_wider_run_width():
   """One width for every batch of a run (chat evaluation, GRPO rollouts) keeps one compiled program."""
-  tokens, segments = decoding.left_pad([[5, 6], [7]], pad_id=9)
+  tokens, segments = sampling.left_pad([[5, 6], [7]], pad_id=9)
   np.testing.assert_array_equal(tokens, [[5, 6], [9, 7]])
   np.testing.assert_array_equal(segments, [[1, 1], [0, 1]])
-  tokens, segments = decoding.left_pad([[5, 6], [7]], pad_id=9, width=4)
+  tokens, segments = sampling.left_pad([[5, 6], [7]], pad_id=9, width=4)
   np.testing.assert_array_equal(tokens, [[9, 9, 5, 6], [9, 9, 9, 7]])
   np.testing.assert_array_equal(segments, [[0, 0, 1, 1], [0, 0, 0, 1]])
-  assert decoding.left_pad([[1, 2, 3]], width=2)[0].shape == (1, 3)  # never narrower than the longest prompt
+  assert sampling.left_pad([[1, 2, 3]], width=2)[0].shape == (1, 3)  # never narrower than the longest prompt
+
+
+def test_filters_apply_per_row():
+  """One batch, each row its own top-k / top-p / temperature: each row keeps what it keeps alone."""
+  logits = random_logits(batch=4)
+  top_k, top_p = np.array([0, 3, 1, 5]), np.array([0.6, 1.0, 1.0, 0.8], np.float32)
+  together = kept(sampling.filter_logits(jnp.asarray(logits), top_k=top_k, top_p=top_p))
+  for row in range(4):
+    assert together[row] == kept(sampling.filter_logits(jnp.asarray(logits[row:row + 1]), int(top_k[row]),
+                                                        float(top_p[row])))[0]
+  temperature = np.array([0.0, 1.0, 0.0, 2.0], np.float32)
+  keys = jax.random.split(jax.random.key(0), 4)
+  drawn = np.asarray(sampling.choose(jnp.asarray(logits), keys, temperature, top_k, top_p))
+  assert drawn[0] == logits[0].argmax() and drawn[2] == logits[2].argmax() and drawn[1] in together[1]

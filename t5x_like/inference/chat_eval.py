@@ -12,13 +12,15 @@ import dataclasses
 import json
 from typing import Optional, Sequence
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from t5x_like.data import chat
 from t5x_like.data import packing
-from t5x_like.model import decoding
+from t5x_like.inference import engine as engine_lib
+from t5x_like.inference.sampling import SamplingParams
 from t5x_like.observe import metrics as metrics_lib
 
 MISMATCHES_KEPT = 5  # wrong answers quoted in an evaluation report
@@ -138,29 +140,24 @@ def check_fits(lines: Sequence[ChatLine], lengths: Sequence[int], extra: int, ma
                      f"tokens, more than the model's max_len={max_len} (GPTConfig.max_len)")
 
 
-def generate(params, encoder: chat.ChatEncoder, prompts: Sequence[Sequence[int]], *, config, max_new_tokens: int,
-             batch_size: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             seed: int = 0) -> list[str]:
-  """The assistant text generated after each prompt (`decoding.generate`, stopped at the end marker).
+def engine_for(params, config, batch_size: int, encoder: chat.ChatEncoder, seed: int = 0) -> engine_lib.Engine:
+  """An Engine of `batch_size` slots over `params`, on the mesh and rules of the caller's context (enter the
+  runtime's `context()` first)."""
+  mesh = jax.sharding.get_mesh()
+  if mesh.empty:
+    raise ValueError("chat_eval: no mesh in context: call inside the runtime's context() (jax.set_mesh)")
+  return engine_lib.Engine(config, params, mesh, nn.get_logical_axis_rules(), slots=batch_size,
+                           detokenize=encoder.completion_text, pad_id=encoder.tokenizer.pad_id, seed=seed)
 
-  Prompts go `batch_size` at a time, each batch left-padded to the longest prompt of all (and the last
-  batch filled with copies of its first prompt), so one program compiles for the whole file. Batch b
-  samples with the key `fold_in(key(seed), b)`.
-  """
-  batch_size = max(1, min(batch_size, len(prompts)))
-  width = max(len(p) for p in prompts)
-  pad_id, end_id = encoder.tokenizer.pad_id, encoder.marker_ids["end"]
-  texts = []
-  for b, start in enumerate(range(0, len(prompts), batch_size)):
-    batch = list(prompts[start:start + batch_size])
-    rows = len(batch)
-    batch += [batch[0]] * (batch_size - rows)
-    tokens, segments = decoding.left_pad(batch, pad_id, width)  # (B, width)
-    out = decoding.generate(params, tokens, segments, jax.random.fold_in(jax.random.key(seed), b), config=config,
-                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            eos_id=end_id, pad_id=pad_id)
-    texts += [encoder.completion_text(row) for row in np.asarray(jax.device_get(out))[:rows]]
-  return texts
+
+def generate(engine: engine_lib.Engine, encoder: chat.ChatEncoder, prompts: Sequence[Sequence[int]], *,
+             max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             seed: int = 0) -> list[str]:
+  """The assistant text generated after each prompt by `engine` (continuous batching over its slots), stopped
+  at the template's end marker or EOS. Prompt p samples with seed `seed`, stream p (inference/engine.py)."""
+  sampling = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            stop_token_ids=(encoder.marker_ids["end"], encoder.tokenizer.eos_id))
+  return [encoder.completion_text(c.tokens) for [c] in engine.generate(list(prompts), sampling, seed=seed)]
 
 
 def reference_documents(encoder: chat.ChatEncoder, lines: Sequence[ChatLine]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -240,8 +237,8 @@ def evaluate(params, encoder: chat.ChatEncoder, lines: Sequence[ChatLine], *, ob
   check_fits(lines, [len(p) for p in prompts], max_new_tokens, config.max_len, "prompt + max_new_tokens")
   docs = reference_documents(encoder, lines)
   check_fits(lines, [len(ids) - 1 for ids, _ in docs], 0, config.max_len, "prompt + reference")
-  predictions = generate(params, encoder, prompts, config=config, max_new_tokens=max_new_tokens,
-                         batch_size=batch_size)
+  predictions = generate(engine_for(params, config, batch_size, encoder), encoder, prompts,
+                         max_new_tokens=max_new_tokens)
   matches = [exact_match(p, line.reference) for p, line in zip(predictions, lines)]
   loss_sum, weight_sum = reference_loss(objective, params, docs, pad_id=encoder.tokenizer.pad_id,
                                         batch_size=batch_size, loss_chunk=loss_chunk)

@@ -128,9 +128,10 @@ class Engine:
       spec = lambda *names: NamedSharding(mesh, nn.logical_to_mesh_axes(names, self.rules))
       kv = spec(ax.LAYERS, ax.BATCH, ax.KV_LENGTH, ax.ACT_KV_HEADS, ax.KV)
       self._cache_shardings = {"k": kv, "v": kv, "segment_ids": spec(ax.BATCH, ax.KV_LENGTH)}
-      self.cache = jax.device_put(model_lib.init_cache(self.config, slots, self.cache_len), self._cache_shardings)
+      empty = model_lib.init_cache(self.config, self.slots, self.cache_len)
+      self.cache = jax.device_put(empty, self._cache_shardings)
     self.t = 0  # the next write column
-    self._slot = [None] * slots  # slot → _Sequence
+    self._slot = [None] * self.slots  # slot → _Sequence
     self._waiting = collections.deque()
     self._requests = {}
     self._next_id = 0

@@ -1,4 +1,4 @@
-"""GRPO rollouts on the training mesh: prompts from a chat DATA_DIR, G samples each from the KV-cache sampler,
+"""GRPO rollouts on the training mesh: prompts from a chat DATA_DIR, G samples each from the inference engine,
 rewards from a registered function, group-relative advantages, and the rollout batch the GRPO step trains on.
 
 Prompts. Every conversation of a chat DATA_DIR (`preprocess --format=chat`) is one prompt: its tokens up to
@@ -7,8 +7,9 @@ text is the reference answer (for rewards such as exact match). Conversations cu
 prompts that leave less than ObjectiveConfig.max_new_tokens of the row, are skipped and counted.
 
 Determinism. Step s trains on the prompts at positions (s−1)·P .. s·P−1 of a sequence of seeded permutations
-of the train prompts (one per epoch; P = BATCH_SIZE / G), sampled with the key fold_in(key(SEED), s) from the
-parameters of step s − 1. Nothing else is drawn, so a run resumed from a checkpoint repeats the same
+of the train prompts (one per epoch; P = BATCH_SIZE / G), sampled with the seed step_seed(SEED, s) from the
+parameters of step s − 1 (the engine's draws depend on the seed, the prompt's place and the sample, never on the
+slots). Nothing else is drawn, so a run resumed from a checkpoint repeats the same
 rollouts, rewards and updates.
 
 Rows. Row g of group p is prompt p followed by its g-th completion (up to and including the end marker, or
@@ -22,13 +23,13 @@ import time
 from typing import Sequence
 
 import jax
-from jax.experimental import multihost_utils
 import numpy as np
 
 from t5x_like.data import chat
 from t5x_like.data import input_pipeline
-from t5x_like.model import decoding
 from t5x_like.inference import chat_eval
+from t5x_like.inference import engine as engine_lib
+from t5x_like.inference.sampling import SamplingParams
 from t5x_like.posttrain import rewards as rewards_lib
 
 ADVANTAGE_EPS = 1e-4
@@ -111,14 +112,9 @@ def group_advantages(rewards: np.ndarray, group_size: int) -> np.ndarray:
   return ((grouped - mean) / (std + ADVANTAGE_EPS)).reshape(-1).astype(np.float32)
 
 
-def completion_tokens(row: Sequence[int], stop_ids: Sequence[int]) -> list:
-  """A sampled row's completion: up to and including the first stop token, else the whole row."""
-  out = []
-  for t in row:
-    out.append(int(t))
-    if t in stop_ids:
-      break
-  return out
+def step_seed(seed: int, step: int) -> int:
+  """The sampling seed of optimizer step `step` of a run seeded `seed` (one 32-bit draw of both)."""
+  return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
 
 
 def rollout_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], advantages: np.ndarray,
@@ -161,17 +157,23 @@ class Rollouts:
                        f"{self.train.skipped}); raise SEQ_LEN or lower ObjectiveConfig.max_new_tokens")
     self.validation = read("validation") if "validation" in exp.manifest["splits"] else None
     self.width = max(len(p) for p in self.train.prompts + (self.validation.prompts if self.validation else []))
+    self.engine = None  # made at the first rollout, then reused with each step's parameters: one compile
 
-  def sample(self, params, prompts: Sequence[Sequence[int]], rng, *, temperature: float, top_k: int) -> list:
-    """Completion token lists of each prompt (left-padded to the widest prompt of the run: one compile)."""
-    pad_id = self.encoder.tokenizer.pad_id
-    tokens, segments = decoding.left_pad(list(prompts), pad_id, self.width)
-    with self.exp.context():
-      out = decoding.generate(params, tokens, segments, rng, config=self.exp.model_config,
-                              max_new_tokens=self.objective_config.max_new_tokens, temperature=temperature,
-                              top_k=top_k, eos_id=self.encoder.marker_ids["end"], pad_id=pad_id)
-      out = multihost_utils.process_allgather(out, tiled=True)
-    return [completion_tokens(row, self.stop_ids) for row in np.asarray(out)]
+  def sample(self, params, prompts: Sequence[Sequence[int]], *, n: int, seed: int, temperature: float,
+             top_k: int) -> tuple:
+    """(completions, log-probs): `n` completions of each prompt from the engine (the n share one prefill), in
+    prompt order, each a token list up to and including its stop token, with the log-prob of every token under
+    `params` (the trainer's number for that token)."""
+    if self.engine is None:
+      cache_len = min(self.exp.model_config.max_len, self.width + self.objective_config.max_new_tokens)
+      self.engine = engine_lib.Engine(self.exp.model_config, params, self.exp.mesh, self.exp.rules,
+                                      slots=self.exp.config.batch_size, cache_len=cache_len,
+                                      pad_id=self.encoder.tokenizer.pad_id)
+    self.engine.params = params
+    sampling = SamplingParams(max_tokens=self.objective_config.max_new_tokens, temperature=temperature, top_k=top_k,
+                              stop_token_ids=self.stop_ids)
+    out = [c for samples in self.engine.generate(list(prompts), sampling, n=n, seed=seed) for c in samples]
+    return [c.tokens for c in out], [c.logprobs for c in out]
 
   def score(self, prompt_set: PromptSet, indices, completions) -> np.ndarray:
     texts = [self.encoder.completion_text(c) for c in completions]
@@ -194,11 +196,12 @@ class Rollouts:
     """(global rollout batch, host metrics) for optimizer step `step` (1-based) from the current parameters."""
     t0 = time.perf_counter()
     config = self.exp.config
-    indices = np.repeat(schedule(len(self.train.prompts), step, self.per_step, config.seed), self.group)
+    chosen = schedule(len(self.train.prompts), step, self.per_step, config.seed)
+    indices = np.repeat(chosen, self.group)
     prompts = [self.train.prompts[i] for i in indices]
-    rng = jax.random.fold_in(jax.random.key(config.seed), step)
-    completions = self.sample(params, prompts, rng, temperature=self.objective_config.temperature,
-                              top_k=self.objective_config.top_k)
+    completions, logprobs = self.sample(params, [self.train.prompts[i] for i in chosen], n=self.group,
+                                        seed=step_seed(config.seed, step),
+                                        temperature=self.objective_config.temperature, top_k=self.objective_config.top_k)
     values = self.score(self.train, indices, completions)
     advantages = group_advantages(values, self.group)
     rows = rollout_rows(prompts, completions, advantages, config.seq_len, self.encoder.tokenizer.pad_id)
@@ -208,6 +211,7 @@ class Rollouts:
                "reward_group_std": float(grouped.std(axis=1).mean()),
                "groups_without_signal": float(np.mean(grouped.std(axis=1) == 0)),
                "response_length": float(np.mean([len(c) for c in completions])),
+               "sampled_logp": float(np.mean([lp for row in logprobs for lp in row])),
                "rollout_seconds": time.perf_counter() - t0}
     return batch, metrics
 
@@ -234,16 +238,13 @@ class Rollouts:
     count = len(prompt_set.prompts)
     if self.exp.config.data.eval_batches:
       count = min(count, self.exp.config.data.eval_batches * rows)
-    values, lengths, matches = [], [], []
-    for start in range(0, count, rows):
-      indices = list(range(start, min(start + rows, count)))
-      padded = indices + [indices[0]] * (rows - len(indices))  # one compiled shape
-      completions = self.sample(params, [prompt_set.prompts[i] for i in padded], jax.random.key(0),
-                                temperature=0.0, top_k=0)[:len(indices)]
-      values.extend(self.score(prompt_set, indices, completions))
-      lengths.extend(len(c) for c in completions)
-      matches.extend(rewards_lib.exact_match([self.encoder.completion_text(c) for c in completions],
-                                             [prompt_set.references[i] for i in indices], None))
+    indices = list(range(count))
+    completions, _ = self.sample(params, [prompt_set.prompts[i] for i in indices], n=1, seed=0, temperature=0.0,
+                                 top_k=0)
+    values = self.score(prompt_set, indices, completions)
+    lengths = [len(c) for c in completions]
+    matches = rewards_lib.exact_match([self.encoder.completion_text(c) for c in completions],
+                                      [prompt_set.references[i] for i in indices], None)
     values = np.asarray(values)
     return {"eval/reward_mean": float(values.mean()), "eval/reward_std": float(values.std()),
             "eval/response_length": float(np.mean(lengths)), "eval/exact_match": float(np.mean(matches)),
