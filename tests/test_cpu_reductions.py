@@ -1,4 +1,4 @@
-"""layers.windowed / softmax_last / sum_rows / scale_shift / add_bias: the reductions XLA:CPU would otherwise rewrite
+"""cpu_kernels.windowed / softmax_last / sum_rows / scale_shift / add_bias: the reductions XLA:CPU would otherwise rewrite
 into unfused reduce-window passes equal the plain ones, values and gradients, and compile without reduce-window."""
 
 import os
@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from t5x_like.model import cpu_kernels
 from t5x_like.model import layers
 from t5x_like.parallel import distributed
 
@@ -25,7 +26,7 @@ def _rand(*shape, seed=0):
                                      (32, (32,)), (96, (3, 32)), (100, (100,)), (2048, (2, 32, 32)), (50304, (50304,))])
 def test_windowed_view(d, view):
   x = jnp.zeros((3, d))
-  v, axes = layers.windowed(x)
+  v, axes = cpu_kernels.windowed(x)
   assert v.shape == (3,) + view
   assert axes == tuple(range(1, v.ndim))
 
@@ -69,13 +70,13 @@ def test_norms_equal_the_plain_formula(norm):
 HLO_SCRIPT = """
 import jax, jax.numpy as jnp
 from tests import test_cpu_reductions as t
-from t5x_like.model import layers
+from t5x_like.model import cpu_kernels
 count = lambda f, *a: jax.jit(f).lower(*a).compile().as_text().count("reduce-window(")
 ours, plain, params, x = t._norm_case("layernorm")
 grad = lambda f: jax.grad(f, argnums=(0, 1))
 bias, y, cot = t._rand(256), t._rand(2, 64, 256, seed=4), t._rand(2, 64, 256, seed=3)  # 64 rows > 32
 plain_bias = lambda b, y, c: jax.grad(lambda b: jnp.sum((y + b) * c))(b)
-our_bias = lambda b, y, c: jax.grad(lambda b: jnp.sum(layers.add_bias(y, b) * c))(b)
+our_bias = lambda b, y, c: jax.grad(lambda b: jnp.sum(cpu_kernels.add_bias(y, b) * c))(b)
 print(count(grad(plain), params, x), count(grad(ours), params, x), count(plain_bias, bias, y, cot), count(our_bias, bias, y, cot))
 """
 
@@ -92,7 +93,7 @@ def test_norm_gradients_compile_with_fewer_reduce_windows():
 
 def test_add_bias_gradient():
   bias, y, cot = _rand(2048), _rand(4, 16, 2048, seed=4), _rand(4, 16, 2048, seed=3)
-  ours = jax.grad(lambda b: jnp.sum(layers.add_bias(y, b) * cot))(bias)
+  ours = jax.grad(lambda b: jnp.sum(cpu_kernels.add_bias(y, b) * cot))(bias)
   np.testing.assert_allclose(ours, jnp.sum(cot, axis=(0, 1)), rtol=1e-5, atol=1e-5)
 
 
@@ -100,7 +101,7 @@ def test_bias_gradient_is_a_product_with_ones_on_cpu():
   """The bias's gradient (add_bias → sum_rows) is a dot_general over the merged rows, not a reduce_sum, which
   XLA:CPU would rewrite into an unfused reduce-window pass."""
   bias, y = _rand(64), _rand(4, 16, 64, seed=4)
-  jaxpr = str(jax.make_jaxpr(jax.grad(lambda b: jnp.sum(layers.add_bias(y, b) ** 2)))(bias))
+  jaxpr = str(jax.make_jaxpr(jax.grad(lambda b: jnp.sum(cpu_kernels.add_bias(y, b) ** 2)))(bias))
   plain = str(jax.make_jaxpr(jax.grad(lambda b: jnp.sum((y + b) ** 2)))(bias))
   assert "dot_general" in jaxpr and "reduce_sum" not in jaxpr.split("dot_general")[-1], jaxpr
   assert "reduce_sum" in plain and "dot_general" not in plain
@@ -109,20 +110,20 @@ def test_bias_gradient_is_a_product_with_ones_on_cpu():
 def test_scale_shift_and_sum_rows_gradients():
   y, scale, shift = _rand(2, 8, 3, 4), _rand(3, 4, seed=1), _rand(3, 4, seed=2)
   cot = _rand(2, 8, 3, 4, seed=3)
-  ours = jax.grad(lambda *a: jnp.sum(layers.scale_shift(*a) * cot), argnums=(0, 1, 2))(y, scale, shift)
+  ours = jax.grad(lambda *a: jnp.sum(cpu_kernels.scale_shift(*a) * cot), argnums=(0, 1, 2))(y, scale, shift)
   plain = jax.grad(lambda y, s, b: jnp.sum((y * s + b) * cot), argnums=(0, 1, 2))(y, scale, shift)
   for a, b in zip(ours, plain):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  no_shift = jax.grad(lambda y, s: jnp.sum(layers.scale_shift(y, s, None) * cot), argnums=1)(y, scale)
+  no_shift = jax.grad(lambda y, s: jnp.sum(cpu_kernels.scale_shift(y, s, None) * cot), argnums=1)(y, scale)
   np.testing.assert_allclose(no_shift, jnp.sum(cot * y, axis=(0, 1)), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(layers.sum_rows(cot, 2), jnp.sum(cot, axis=(0, 1)), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(cpu_kernels.sum_rows(cot, 2), jnp.sum(cot, axis=(0, 1)), rtol=1e-5, atol=1e-6)
 
 
 def test_softmax_last_equals_softmax():
   x = _rand(2, 4, 16, 192) * 4
   x = jnp.where(jnp.arange(192) > 150, jnp.finfo(jnp.float32).min, x)  # masked keys, as attention has them
   cot = _rand(2, 4, 16, 192, seed=1)
-  np.testing.assert_allclose(layers.softmax_last(x), jax.nn.softmax(x, axis=-1), rtol=1e-6, atol=1e-7)
-  g1 = jax.grad(lambda x: jnp.sum(layers.softmax_last(x) * cot))(x)
+  np.testing.assert_allclose(cpu_kernels.softmax_last(x), jax.nn.softmax(x, axis=-1), rtol=1e-6, atol=1e-7)
+  g1 = jax.grad(lambda x: jnp.sum(cpu_kernels.softmax_last(x) * cot))(x)
   g0 = jax.grad(lambda x: jnp.sum(jax.nn.softmax(x, axis=-1) * cot))(x)
   np.testing.assert_allclose(g1, g0, rtol=1e-5, atol=1e-6)

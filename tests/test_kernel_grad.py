@@ -1,4 +1,4 @@
-"""Dense products' weight gradients on CPU (layers.contract_trailing → _gram) equal plain autodiff.
+"""Dense products' weight gradients on CPU (cpu_kernels.contract_trailing → _gram) equal plain autodiff.
 
 On the CPU backend contract_trailing computes the kernel's gradient as a plain GEMM on an explicitly transposed
 operand instead of letting autodiff transpose the dot. These tests compare values and gradients with a plain
@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_like.model import layers
+from t5x_like.model import config as model_lib
+from t5x_like.model import cpu_kernels
 from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.parallel import partitioning
 
@@ -66,11 +67,11 @@ def test_kernel_gradient_equals_autodiff(case):
   x_shape, k_shape, n_in, kernel_in = CASES[case]
   x, kernel = normal(0, x_shape), normal(1, k_shape)
   kw = dict(n_in=n_in, kernel_in=kernel_in)
-  assert "custom_vjp_call" in str(jax.make_jaxpr(lambda x, k: layers.contract_trailing(x, k, **kw))(x, kernel))
-  assert_same(layers.contract_trailing(x, kernel, **kw), plain(x, kernel, **kw), 2e-6)
+  assert "custom_vjp_call" in str(jax.make_jaxpr(lambda x, k: cpu_kernels.contract_trailing(x, k, **kw))(x, kernel))
+  assert_same(cpu_kernels.contract_trailing(x, kernel, **kw), plain(x, kernel, **kw), 2e-6)
   grad = lambda f: jax.jit(jax.grad(loss(f, **kw), (0, 1)))(x, kernel)
-  assert_same(grad(layers.contract_trailing), grad(plain), 2e-6)
-  rematerialised = jax.checkpoint(functools.partial(layers.contract_trailing, **kw))
+  assert_same(grad(cpu_kernels.contract_trailing), grad(plain), 2e-6)
+  rematerialised = jax.checkpoint(functools.partial(cpu_kernels.contract_trailing, **kw))
   assert_same(jax.jit(jax.grad(loss(rematerialised), (0, 1)))(x, kernel), grad(plain), 2e-6)
 
 
@@ -78,7 +79,7 @@ def test_tied_embedding_bfloat16_with_float32_logits():
   x, kernel = normal(0, (B, T, 16), jnp.bfloat16), normal(1, (32, 16), jnp.bfloat16)
   kw = dict(n_in=1, kernel_in=(1,), preferred_element_type=jnp.float32)
   grad = lambda f: jax.jit(jax.grad(loss(f, **kw), (0, 1)))(x, kernel)
-  assert_same(grad(layers.contract_trailing), grad(plain), 1e-2)
+  assert_same(grad(cpu_kernels.contract_trailing), grad(plain), 1e-2)
 
 
 @pytest.mark.parametrize("batched", ["x", "kernel", "both"])
@@ -93,7 +94,7 @@ def test_kernel_gradient_under_vmap(batched):
     return jax.jit(jax.grad(lambda x, k: jnp.sum(jnp.sin(per_stage(x, k)) * jnp.arange(1.0, 11.0)), (0, 1)))(
         x_in, k_in)
 
-  assert_same(grad(layers.contract_trailing), grad(plain), 2e-6)
+  assert_same(grad(cpu_kernels.contract_trailing), grad(plain), 2e-6)
 
 
 @pytest.mark.parametrize("sequence", [1, 2])
@@ -103,8 +104,8 @@ def test_rows_merged_unless_length_is_split(sequence):
   x, kernel = normal(0, (2, T, 6)), normal(1, (6, 10))
   mesh = mesh_lib.create_mesh({"sequence": sequence}, jax.devices()[:sequence])
   with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.DEFAULT_RULES):
-    jaxpr = str(jax.make_jaxpr(jax.grad(loss(layers.contract_trailing, n_in=1), (0, 1)))(x, kernel))
-    forward = str(jax.make_jaxpr(lambda x, k: layers.contract_trailing(x, k, 1))(x, kernel))
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss(cpu_kernels.contract_trailing, n_in=1), (0, 1)))(x, kernel))
+    forward = str(jax.make_jaxpr(lambda x, k: cpu_kernels.contract_trailing(x, k, 1))(x, kernel))
   merged = f"f32[{2 * T},6]" in jaxpr
   assert merged == (sequence == 1)
   assert ("custom_vjp_call" in forward) == (sequence == 1)
@@ -121,4 +122,24 @@ def test_kernel_gradient_is_a_plain_gemm(case):
   x_shape, k_shape, _, _ = CASES[case]
   x, kernel = normal(0, x_shape), normal(1, k_shape)
   assert contracts_a_leading_axis(plain, x, kernel)  # what autodiff of the plain dot compiles to
-  assert not contracts_a_leading_axis(layers.contract_trailing, x, kernel)
+  assert not contracts_a_leading_axis(cpu_kernels.contract_trailing, x, kernel)
+
+
+def test_one_switch_turns_the_cpu_forms_off(monkeypatch):
+  """T5X_LIKE_CPU_KERNELS=0 gives the plain forms (autodiff's dot, a reduce_sum, a rolled layer scan) on CPU, with
+  the same values; 1 and auto give the CPU forms; anything else is a one-line error naming the variable."""
+  x, kernel = normal(0, (B, T, 6)), normal(1, (6, 10))
+  jaxpr = lambda: str(jax.make_jaxpr(lambda x, k: cpu_kernels.contract_trailing(x, k, 1))(x, kernel))
+  bias_grad = lambda: str(jax.make_jaxpr(jax.grad(lambda b: jnp.sum(cpu_kernels.add_bias(x, b) ** 2)))(x[0, 0]))
+  config = model_lib.GPTConfig(num_layers=4)
+  assert cpu_kernels.enabled() and "custom_vjp_call" in jaxpr() and config.layer_unroll == 4
+  on = jax.grad(loss(cpu_kernels.contract_trailing, n_in=1), (0, 1))(x, kernel)
+  monkeypatch.setenv(cpu_kernels.ENV_VAR, "0")
+  assert not cpu_kernels.enabled() and "custom_vjp_call" not in jaxpr() and config.layer_unroll == 1
+  assert "reduce_sum" in bias_grad() and cpu_kernels.windowed(jnp.zeros((2, 512)))[0].shape == (2, 512)
+  assert_same(jax.grad(loss(cpu_kernels.contract_trailing, n_in=1), (0, 1))(x, kernel), on, 2e-6)
+  monkeypatch.setenv(cpu_kernels.ENV_VAR, "1")
+  assert cpu_kernels.enabled() and "custom_vjp_call" in jaxpr()
+  monkeypatch.setenv(cpu_kernels.ENV_VAR, "yes")
+  with pytest.raises(ValueError, match=r"^T5X_LIKE_CPU_KERNELS='yes': expected auto, 1 or 0$"):
+    cpu_kernels.enabled()

@@ -5,6 +5,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from t5x_like.model import cpu_kernels
 from t5x_like.parallel import axis_names as ax
 from t5x_like.parallel import layout
 
@@ -31,8 +32,9 @@ class GPTConfig:
   remat_policy: str = "none"  # per-block rematerialisation: one of REMAT_POLICIES
   # Stacked elements of the layer scan run per loop iteration (lax.scan's unroll). 1 = a rolled loop: compile time
   # independent of depth, and rematerialisation's memory bound kept by the loop (accelerators; any remat_policy).
-  # 0 = auto: on XLA:CPU without remat, every layer unrolled (a rolled loop's per-layer dynamic slices of the stacked
-  # parameters and updates of their gradients cost ~12% of a gpt_25m float32 step); else 1.
+  # 0 = auto: with the CPU kernels (cpu_kernels.enabled: XLA:CPU) and no remat, every layer unrolled (a rolled loop's
+  # per-layer dynamic slices of the stacked parameters and updates of their gradients cost ~12% of a gpt_25m float32
+  # step); else 1.
   scan_unroll: int = 0
   attention_impl: str = "reference"  # reference (einsum) | xla / cudnn (jax.nn.dot_product_attention)
   num_stages: int = 1  # pipeline stages the layer stack is split into (set from the mesh)
@@ -99,11 +101,11 @@ class GPTConfig:
 
   @property
   def layer_unroll(self) -> int:
-    """lax.scan's unroll for the stacked layers: scan_unroll, or for 0 (auto) every element on CPU without remat,
-    else 1."""
+    """lax.scan's unroll for the stacked layers: scan_unroll, or for 0 (auto) every element with the CPU kernels
+    (cpu_kernels.enabled) and no remat, else 1."""
     if self.scan_unroll:
       return self.scan_unroll
-    return max(self.num_units, 1) if self.remat_policy == "none" and jax.default_backend() == "cpu" else 1
+    return max(self.num_units, 1) if self.remat_policy == "none" and cpu_kernels.enabled() else 1
 
   @property
   def head_dim(self) -> int:

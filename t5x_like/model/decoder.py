@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from t5x_like.model import cpu_kernels as kernels
 from t5x_like.model import layers
 from t5x_like.model import pipeline_parallel
 from t5x_like.model import moe
@@ -112,11 +113,11 @@ def project_logits(params, hidden: jax.Array, config: GPTConfig) -> jax.Array:
   Padding rows (≥ valid_vocab_size) get the float32 minimum, so the softmax never picks them."""
   dtype = config.compute_dtype
   if config.tie_embeddings:
-    logits = layers.contract_trailing(hidden.astype(dtype), params["token_embedding"].astype(dtype), 1, (1,),
+    logits = kernels.contract_trailing(hidden.astype(dtype), params["token_embedding"].astype(dtype), 1, (1,),
                                       preferred_element_type=jnp.float32)
   else:
     head = params["lm_head"]
-    logits = layers.contract_trailing(hidden.astype(dtype), head["kernel"].astype(dtype), 1)
+    logits = kernels.contract_trailing(hidden.astype(dtype), head["kernel"].astype(dtype), 1)
     if "bias" in head:
       logits = logits + head["bias"].astype(dtype)
     logits = logits.astype(jnp.float32)
