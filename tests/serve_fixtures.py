@@ -1,0 +1,115 @@
+"""A tiny served model for tests/test_serve.py and bench/serve_load.py: a chat DATA_DIR, a MODEL_DIR with large
+random weights (decisive, distinct greedy answers), and `python -m t5x_like.serve` started on a free loopback
+port as a subprocess."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import jax
+import numpy as np
+
+from t5x_like.data import chat_synth
+from t5x_like.data import preprocessing
+from t5x_like.data import tokenizer as tokenizer_lib
+from t5x_like.model import decoder as model_lib
+from t5x_like.parallel import partitioning
+from t5x_like.training import checkpointing
+from t5x_like.training import config as config_lib
+from t5x_like.training import experiment as experiment_lib
+from t5x_like.training import optimizer as optimizer_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = dict(num_layers=1, num_heads=2, d_model=32, d_ff=64, max_len=64, dtype="float32", tie_embeddings=False)
+GIN = (["--gin_file=configs/models/gpt_tiny.gin", "--gin_file=configs/runs/pretrain.gin"]
+       + [f"--gin.model.GPTConfig.{k}={v!r}" for k, v in MODEL.items()] + ["--gin.SEQ_LEN=56", "--gin.BATCH_SIZE=8"])
+CONVERSATIONS = [{"messages": [{"role": "user", "content": "reverse: self path"},
+                               {"role": "assistant", "content": "path self"}]},
+                 {"prompt": "value of a", "completion": "value"}]
+
+
+def make_run(root: str) -> dict:
+  """{"model_dir", "data_dir", "tokenizer"} of a chat DATA_DIR and a MODEL_DIR holding random weights
+  (checkpoint 0) under `root`."""
+  texts = [" ".join(chat_synth.WORDS) + "\nreverse: value of again, two be brief\n"] * 20
+  tok = tokenizer_lib.train_tokenizer(texts, os.path.join(root, "tok.model"), vocab_size=360, num_threads=1)
+  raw = os.path.join(root, "chat.jsonl")
+  with open(raw, "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(c) + "\n" for c in CONVERSATIONS)
+  data_dir, model_dir = os.path.join(root, "data"), os.path.join(root, "tiny")
+  preprocessing.preprocess([raw], data_dir, tokenizer=tok.path, data_format="chat", num_train_shards=1,
+                           validation_fraction=0.0, progress=False, cache_dir=None)
+  config = config_lib.TrainConfig(model_dir=model_dir, data_dir=data_dir, batch_size=8, seq_len=56,
+                                  mesh_shape={"data": -1})
+  exp = experiment_lib.Experiment(config, model_lib.GPTConfig(**MODEL), optimizer_lib.OptimizerConfig())
+  rng = np.random.RandomState(0)
+  params = jax.tree.map(lambda x: rng.normal(0.0, 1.0, x.shape).astype(np.float32),
+                        partitioning.unbox(exp.boxed_params))
+  checkpointing.save_params(model_dir, params)
+  return {"model_dir": model_dir, "data_dir": data_dir, "tokenizer": tok.path}
+
+
+def env() -> dict:
+  return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+              TF_CPP_MIN_LOG_LEVEL="3")
+
+
+def run_args(run: dict) -> list:
+  return GIN + [f"--gin.MODEL_DIR='{run['model_dir']}'", f"--gin.DATA_DIR='{run['data_dir']}'"]
+
+
+class ServerProcess:
+  """`python -m t5x_like.serve` on a free loopback port; `url` once it listens."""
+
+  def __init__(self, run: dict, *flags, timeout_seconds: float = 300):
+    self.proc = subprocess.Popen([sys.executable, "-m", "t5x_like.serve", *run_args(run), "--port=0", *flags],
+                                 cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout_seconds
+    self.banner = ""
+    while time.monotonic() < deadline:
+      line = self.proc.stdout.readline()
+      if not line:
+        raise RuntimeError(f"serve exited {self.proc.wait()}: {self.proc.stderr.read()[-3000:]}")
+      found = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+      if found:
+        self.banner, self.url = line.strip(), found.group(1)
+        return
+    self.stop()
+    raise RuntimeError("serve did not start in time")
+
+  def terminate(self, timeout_seconds: float = 60) -> tuple:
+    """SIGTERM; returns (exit code, stderr)."""
+    self.proc.send_signal(signal.SIGTERM)
+    try:
+      _, err = self.proc.communicate(timeout=timeout_seconds)
+    except subprocess.TimeoutExpired:
+      self.proc.kill()
+      _, err = self.proc.communicate()
+    return self.proc.returncode, err
+
+  def stop(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.kill()
+      self.proc.communicate()
+
+
+def post(url: str, body, raw: bool = False) -> tuple:
+  """(status, JSON reply, headers) of a POST (`raw`: body is already bytes)."""
+  data = body if raw else json.dumps(body).encode()
+  request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+  try:
+    with urllib.request.urlopen(request, timeout=120) as r:
+      return r.status, json.loads(r.read()), dict(r.headers)
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read()), dict(e.headers)
+
+
+def get(url: str) -> str:
+  with urllib.request.urlopen(url, timeout=60) as r:
+    return r.read().decode()
