@@ -105,7 +105,7 @@ def run(name: str, run_kind: str, student, teacher_dir: str, base_dir: str, args
   config = config_lib.TrainConfig(model_dir="", data_dir="", train_steps=100, batch_size=args.batch_size,
                                   seq_len=args.seq_len, mesh_shape=mesh_shape, objective=objective,
                                   loss_chunk=32 if run_kind == "distill_chunk32" else 0,
-                                  checkpoint=config_lib.CheckpointConfig(warm_start_from=base_dir))
+                                  checkpoint=checkpointing.CheckpointConfig(warm_start_from=base_dir))
   exp = experiment_lib.Experiment(config, student, optimizer_lib.OptimizerConfig(learning_rate=1e-4))
   if exp.needs_reference:
     exp.load_reference()

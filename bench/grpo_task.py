@@ -27,6 +27,7 @@ from t5x_like.model import decoder as model_lib
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
+from t5x_like import data as data_lib
 from t5x_like.training import experiment as experiment_lib
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import trainer
@@ -62,8 +63,8 @@ def main():
   sft = config_lib.TrainConfig(
       model_dir=sft_dir, data_dir=data_dir, train_steps=args.sft_steps, batch_size=16, seq_len=32, log_every=50,
       eval_every=0, checkpoint_every=args.sft_steps, mesh_shape={"data": -1},
-      data=config_lib.DataConfig(eval_batches=0, shuffle_buffer=256),
-      checkpoint=config_lib.CheckpointConfig(async_save=False, warm_start_from=base_dir, warm_start_required=True))
+      data=data_lib.DataConfig(eval_batches=0, shuffle_buffer=256),
+      checkpoint=checkpointing.CheckpointConfig(async_save=False, warm_start_from=base_dir, warm_start_required=True))
   sft_opt = optimizer_lib.OptimizerConfig(learning_rate=1e-2, warmup_steps=10, decay="constant")
   exp = experiment_lib.Experiment(sft, MODEL, sft_opt)
   checkpointing.save_params(base_dir, random_params(partitioning.unbox(exp.boxed_params), np.random.RandomState(1)))
@@ -71,8 +72,8 @@ def main():
   grpo = config_lib.TrainConfig(
       model_dir=grpo_dir, data_dir=data_dir, train_steps=args.steps, batch_size=args.prompts * args.group,
       seq_len=32, log_every=args.eval_every, eval_every=args.eval_every, checkpoint_every=args.steps,
-      mesh_shape={"data": -1}, data=config_lib.DataConfig(eval_batches=1, shuffle_buffer=256),
-      checkpoint=config_lib.CheckpointConfig(async_save=False, warm_start_from=sft_dir, warm_start_required=True),
+      mesh_shape={"data": -1}, data=data_lib.DataConfig(eval_batches=1, shuffle_buffer=256),
+      checkpoint=checkpointing.CheckpointConfig(async_save=False, warm_start_from=sft_dir, warm_start_required=True),
       objective=config_lib.ObjectiveConfig(name="grpo", num_generations=args.group, beta=args.kl, max_new_tokens=6))
   opt = optimizer_lib.OptimizerConfig(learning_rate=args.lr, warmup_steps=10, decay="constant", weight_decay=0.0)
   gexp = experiment_lib.Experiment(grpo, MODEL, opt)

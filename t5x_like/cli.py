@@ -10,11 +10,17 @@ from typing import Callable, Sequence, TypeVar
 from absl import app, flags, logging
 import gin
 
+from t5x_like import data
 from t5x_like import errors
+from t5x_like import observe
 from t5x_like.data import chat
 from t5x_like.model import decoder
 from t5x_like.parallel import distributed
 from t5x_like.parallel import host_allocator
+from t5x_like.posttrain import lora
+from t5x_like.training import checkpointing
+from t5x_like.training import curriculum
+from t5x_like.training import fault_tolerance
 from t5x_like.training import optimizer
 from t5x_like.training import precision
 from t5x_like.training import config as train_config_lib
@@ -24,12 +30,12 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a che
 _REGISTERED = {}
 # TrainConfig field → (config class, gin module name it is bound under).
 NESTED_CONFIGS = {
-    "data": (train_config_lib.DataConfig, "data"),
-    "checkpoint": (train_config_lib.CheckpointConfig, "checkpointing"),
-    "fault_tolerance": (train_config_lib.FaultToleranceConfig, "fault_tolerance"),
-    "observe": (train_config_lib.ObserveConfig, "observe"),
-    "lora": (train_config_lib.LoraConfig, "lora"),
-    "curriculum": (train_config_lib.CurriculumConfig, "curriculum"),
+    "data": (data.DataConfig, "data"),
+    "checkpoint": (checkpointing.CheckpointConfig, "checkpointing"),
+    "fault_tolerance": (fault_tolerance.FaultToleranceConfig, "fault_tolerance"),
+    "observe": (observe.ObserveConfig, "observe"),
+    "lora": (lora.LoraConfig, "lora"),
+    "curriculum": (curriculum.CurriculumConfig, "curriculum"),
     "objective": (train_config_lib.ObjectiveConfig, "objective"),
 }
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from t5x_like.training import checkpointing
-from t5x_like.training import config as config_lib
+from t5x_like import data as data_lib
 from t5x_like.training import curriculum
 from t5x_like.training import trainer
 from tests import conftest
@@ -72,7 +72,7 @@ def test_warmup_runs_short_rows_first_and_a_resumed_run_is_bit_identical(corpus,
   cut = curriculum.cut_rows
   monkeypatch.setattr(curriculum, "cut_rows", lambda batch, length: (seen.append(length), cut(batch, length))[1])
   warmup = curriculum.CurriculumConfig(seq_len_warmup_steps=4, seq_len_start=8, seq_len_multiple=8)
-  small_data = config_lib.DataConfig(eval_batches=1, shuffle_buffer=64)  # the run's final evaluation: one batch
+  small_data = data_lib.DataConfig(eval_batches=1, shuffle_buffer=64)  # the run's final evaluation: one batch
 
   def run(model_dir, steps):
     config = test_train_e2e.run_config(str(model_dir), corpus, train_steps=steps, log_every=1, checkpoint_every=3,

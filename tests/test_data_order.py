@@ -17,6 +17,7 @@ from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.model import decoder as model_lib
 from t5x_like.parallel import global_batch
 from t5x_like.training import config as config_lib
+from t5x_like import data as data_lib
 from t5x_like.training import experiment as experiment_lib
 from t5x_like.training import optimizer as optimizer_lib
 
@@ -287,10 +288,10 @@ def test_trainer_reads_the_order_and_its_window(dirs):
   d, _ = dirs["length"]
   tiny = model_lib.GPTConfig(num_layers=1, num_heads=2, d_model=16, d_ff=32, max_len=16, dtype="float32")
   config = config_lib.TrainConfig(model_dir="unused", data_dir=d, train_steps=1, batch_size=8, seq_len=SEQ,
-                                  mesh_shape={"data": -1}, data=config_lib.DataConfig(shuffle_buffer=64))
+                                  mesh_shape={"data": -1}, data=data_lib.DataConfig(shuffle_buffer=64))
   exp = experiment_lib.Experiment(config, tiny, optimizer_lib.OptimizerConfig())
   for window in (0, 4):
-    exp.config = dataclasses.replace(config, data=config_lib.DataConfig(shuffle_buffer=64, order_window=window))
+    exp.config = dataclasses.replace(config, data=data_lib.DataConfig(shuffle_buffer=64, order_window=window))
     got = [b["inputs"].numpy() for b in exp.dataset("train", shuffle=True, repeat=False).take(3)]
     want = [b["inputs"] for b in batches(d, n=3, batch_size=8, order_window=window)]
     np.testing.assert_array_equal(np.stack(got), np.stack(want))

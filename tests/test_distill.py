@@ -22,6 +22,7 @@ from t5x_like.parallel import global_batch
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
+from t5x_like import data as data_lib
 from t5x_like.training import experiment as experiment_lib
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import step as step_lib
@@ -117,8 +118,8 @@ def run_config(model_dir, data_dir, teacher, **overrides):
   fields = dict(
       model_dir=str(model_dir), data_dir=data_dir, train_steps=16, batch_size=16, seq_len=SEQ, log_every=1,
       eval_every=0, checkpoint_every=100, mesh_shape={"data": -1},
-      data=config_lib.DataConfig(shuffle_buffer=64, eval_batches=4),
-      checkpoint=config_lib.CheckpointConfig(async_save=False),
+      data=data_lib.DataConfig(shuffle_buffer=64, eval_batches=4),
+      checkpoint=checkpointing.CheckpointConfig(async_save=False),
       objective=config_lib.ObjectiveConfig(name="distill", teacher_checkpoint=teacher, distill_alpha=0.5,
                                            distill_temperature=1.0))
   return config_lib.TrainConfig(**{**fields, **overrides})
@@ -208,7 +209,7 @@ def test_distilled_student_beats_scratch_and_resumes_exactly(corpus, tmp_path):
   # rewound to step steps−2 and resumed: the last two steps repeat bit for bit, against the same teacher
   rewound = conftest.rewind(tmp_path / "d", tmp_path / "resumed", steps - 2)
   trainer.train(dataclasses.replace(config, model_dir=rewound,
-                                    data=config_lib.DataConfig(shuffle_buffer=64, eval_batches=1)), STUDENT, opt)
+                                    data=data_lib.DataConfig(shuffle_buffer=64, eval_batches=1)), STUDENT, opt)
   logged = lambda d: {r["step"]: r for r in map(json.loads, open(os.path.join(d, "metrics.jsonl"))) if "loss" in r}
   first, second = logged(tmp_path / "d"), logged(rewound)
   assert sorted(second) == [steps - 1, steps]

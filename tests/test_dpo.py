@@ -25,6 +25,7 @@ from t5x_like.model import decoder as model_lib
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
+from t5x_like import data as data_lib
 from t5x_like.training import experiment as experiment_lib
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import step as step_lib
@@ -209,8 +210,8 @@ def test_policy_equal_to_reference_scores_half_and_the_dpo_loss_is_log_2():
 def run_config(model_dir, data_dir, *, base="", reference="", loss_type="sigmoid", **overrides):
   fields = dict(
       model_dir=str(model_dir), data_dir=data_dir, train_steps=20, batch_size=16, seq_len=SEQ, log_every=1,
-      eval_every=0, checkpoint_every=100, mesh_shape={"data": -1}, data=config_lib.DataConfig(shuffle_buffer=64),
-      checkpoint=config_lib.CheckpointConfig(async_save=False, warm_start_from=base, warm_start_required=True),
+      eval_every=0, checkpoint_every=100, mesh_shape={"data": -1}, data=data_lib.DataConfig(shuffle_buffer=64),
+      checkpoint=checkpointing.CheckpointConfig(async_save=False, warm_start_from=base, warm_start_required=True),
       objective=config_lib.ObjectiveConfig(name="preference", loss_type=loss_type, beta=0.1,
                                            reference_checkpoint=reference))
   return config_lib.TrainConfig(**{**fields, **overrides})
@@ -364,7 +365,7 @@ def test_dpo_learns_the_generated_preference_and_a_resumed_run_repeats_the_same_
   assert result["eval/rewards/accuracy"] == pytest.approx(after["eval/rewards/accuracy"], abs=1e-9)
   # rewound to step 18 and resumed: steps 19 and 20 repeat bit for bit
   rewound = conftest.rewind(tmp_path / "dpo", tmp_path / "resumed", steps - 2)
-  trainer.train(dataclasses.replace(config, model_dir=rewound, data=config_lib.DataConfig(shuffle_buffer=64,
+  trainer.train(dataclasses.replace(config, model_dir=rewound, data=data_lib.DataConfig(shuffle_buffer=64,
                                                                                           eval_batches=1)), TINY, OPT)
   logged = lambda d: {r["step"]: r for r in map(json.loads, open(os.path.join(d, "metrics.jsonl"))) if "loss" in r}
   first, second = logged(tmp_path / "dpo"), logged(rewound)

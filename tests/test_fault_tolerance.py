@@ -41,11 +41,12 @@ def _train(model_dir, data_dir, fault_tolerance_overrides=(), **overrides):
   from t5x_like.model import decoder as model  # pylint: disable=g-import-not-at-top
   from t5x_like.training import optimizer  # pylint: disable=g-import-not-at-top
   from t5x_like.training import config as config_lib  # pylint: disable=g-import-not-at-top
+  from t5x_like import data as data_lib  # pylint: disable=g-import-not-at-top
   from t5x_like.training import trainer  # pylint: disable=g-import-not-at-top
-  nested = {"fault_tolerance": config_lib.FaultToleranceConfig(**dict(fault_tolerance_overrides))}
+  nested = {"fault_tolerance": fault_tolerance.FaultToleranceConfig(**dict(fault_tolerance_overrides))}
   base = dict(model_dir=str(model_dir), data_dir=data_dir, train_steps=6, batch_size=8, seq_len=16, log_every=1,
-              eval_every=0, checkpoint_every=2, data=config_lib.DataConfig(eval_batches=1, shuffle_buffer=64),
-              checkpoint=config_lib.CheckpointConfig(async_save=False), **nested)
+              eval_every=0, checkpoint_every=2, data=data_lib.DataConfig(eval_batches=1, shuffle_buffer=64),
+              checkpoint=checkpoints.CheckpointConfig(async_save=False), **nested)
   config = config_lib.TrainConfig(**{**base, **overrides})
   model_config = model.GPTConfig(**{k.split(".")[-1]: v for k, v in TINY.items()})
   opt = optimizer.OptimizerConfig(learning_rate=1e-2, warmup_steps=0)

@@ -17,6 +17,7 @@ from t5x_like.parallel import global_batch
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
+from t5x_like import data as data_lib
 from t5x_like.training import experiment as experiment_lib
 from t5x_like.posttrain import lora
 from t5x_like.training import optimizer as optimizer_lib
@@ -25,15 +26,15 @@ from t5x_like.training import trainer
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = model_lib.GPTConfig(num_layers=2, num_heads=2, d_model=32, d_ff=64, max_len=32, dtype="float32")
 OPT = optimizer_lib.OptimizerConfig(learning_rate=1e-2, warmup_steps=0)
-LORA = config_lib.LoraConfig(rank=4, alpha=8.0)
+LORA = lora.LoraConfig(rank=4, alpha=8.0)
 
 
-def run_config(model_dir, data_dir, *, base="", lora_config=config_lib.LoraConfig(), **overrides):
+def run_config(model_dir, data_dir, *, base="", lora_config=lora.LoraConfig(), **overrides):
   fields = dict(
       model_dir=str(model_dir), data_dir=data_dir, train_steps=4, batch_size=8, seq_len=16, log_every=1,
       eval_every=0, checkpoint_every=2, mesh_shape={"data": -1}, lora=lora_config,
-      data=config_lib.DataConfig(eval_batches=1, shuffle_buffer=64),
-      checkpoint=config_lib.CheckpointConfig(async_save=False, warm_start_from=base, warm_start_required=True))
+      data=data_lib.DataConfig(eval_batches=1, shuffle_buffer=64),
+      checkpoint=checkpointing.CheckpointConfig(async_save=False, warm_start_from=base, warm_start_required=True))
   return config_lib.TrainConfig(**{**fields, **overrides})
 
 
@@ -117,7 +118,7 @@ def test_base_of_another_shape_is_refused_naming_the_parameter(corpus, tmp_path,
   base_dir = str(tmp_path / "base")
   checkpointing.save_params(base_dir, model_params(
       experiment_lib.Experiment(run_config("unused", corpus), base_config, OPT), seed=0))
-  for lora_config in (config_lib.LoraConfig(), LORA):  # a full fine-tune's warm start, and a LoRA base
+  for lora_config in (lora.LoraConfig(), LORA):  # a full fine-tune's warm start, and a LoRA base
     exp = experiment_lib.Experiment(run_config(tmp_path / "ft", corpus, base=base_dir, lora_config=lora_config),
                                     config, OPT)
     manager = checkpointing.make_manager(str(tmp_path / "ft"), async_save=False)
@@ -163,7 +164,7 @@ def test_regex_matching_nothing_is_a_one_line_error(corpus, tmp_path):
   with pytest.raises(ValueError, match=r"TrainConfig.trainable='blocks/atn/.\*' matches no parameter"):
     experiment_lib.Experiment(run_config(tmp_path, corpus, trainable="blocks/atn/.*"), TINY, OPT)
   with pytest.raises(ValueError, match=r"LoraConfig.dropout=1.0 must be in \[0, 1\)"):
-    config_lib.LoraConfig(rank=4, dropout=1.0)
+    lora.LoraConfig(rank=4, dropout=1.0)
   with pytest.raises(ValueError, match="LoraConfig.dropout=0.1 with 2 pipeline stages"):
     dataclasses.replace(TINY, lora_dropout=0.1, num_stages=2).validate()
 
@@ -194,6 +195,6 @@ def chat_sft_run(model_dir: str, data_dir: str, base_dir: str, steps: int):
   run = config_lib.TrainConfig(
       model_dir=model_dir, data_dir=data_dir, train_steps=steps, batch_size=16, seq_len=32, log_every=50,
       eval_every=0, checkpoint_every=steps, mesh_shape={"data": -1},
-      data=config_lib.DataConfig(eval_batches=0, shuffle_buffer=256),
-      checkpoint=config_lib.CheckpointConfig(async_save=False, warm_start_from=base_dir, warm_start_required=True))
+      data=data_lib.DataConfig(eval_batches=0, shuffle_buffer=256),
+      checkpoint=checkpointing.CheckpointConfig(async_save=False, warm_start_from=base_dir, warm_start_required=True))
   return run, optimizer_lib.OptimizerConfig(learning_rate=1e-2, warmup_steps=10, decay="constant")

@@ -22,6 +22,7 @@ from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
 from t5x_like.training import experiment as experiment_lib
 from t5x_like.training import optimizer as optimizer_lib
+from t5x_like import data as data_lib
 from t5x_like.posttrain import rewards
 from t5x_like.posttrain import rollout
 from t5x_like.training import step as step_lib
@@ -130,8 +131,8 @@ def grpo_config(model_dir, data_dir, sft_dir, **objective):
   return config_lib.TrainConfig(
       model_dir=str(model_dir), data_dir=data_dir, train_steps=GRPO_STEPS, batch_size=16 * GROUP, seq_len=32,
       log_every=5, eval_every=0, checkpoint_every=30, mesh_shape={"data": -1},
-      data=config_lib.DataConfig(eval_batches=1, shuffle_buffer=256),
-      checkpoint=config_lib.CheckpointConfig(async_save=False, warm_start_from=sft_dir, warm_start_required=True),
+      data=data_lib.DataConfig(eval_batches=1, shuffle_buffer=256),
+      checkpoint=checkpointing.CheckpointConfig(async_save=False, warm_start_from=sft_dir, warm_start_required=True),
       objective=config_lib.ObjectiveConfig(**{"name": "grpo", "num_generations": GROUP, "beta": 0.0,
                                               "max_new_tokens": 6, **objective}))
 

@@ -35,8 +35,8 @@ from t5x_like.training import checkpointing  # pylint: disable=g-import-not-at-t
 from t5x_like.posttrain import lora  # pylint: disable=g-import-not-at-top
 from t5x_like.training import config as config_lib  # pylint: disable=g-import-not-at-top
 from t5x_like.training import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
+from t5x_like import data as data_lib  # pylint: disable=g-import-not-at-top
 from t5x_like.training import trainer  # pylint: disable=g-import-not-at-top
-from t5x_like.training.config import LoraConfig  # pylint: disable=g-import-not-at-top
 from t5x_like.data import chat_synth  # pylint: disable=g-import-not-at-top
 from t5x_like.data import preprocessing  # pylint: disable=g-import-not-at-top
 from tests import conftest  # pylint: disable=g-import-not-at-top
@@ -191,7 +191,7 @@ def test_export_merges_a_lora_run_into_its_base(imported, tokenizer, tmp_path):
   the tokenizer comes from the base (the converted model), which the run folder lacks."""
   model_dir, config, params = imported["llama_gqa"]
   boxed = jax.eval_shape(lambda: decoder.GPT(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
-  lora_config = LoraConfig(rank=2, alpha=4.0, targets="blocks/attn/(query|out)/kernel")
+  lora_config = lora.LoraConfig(rank=2, alpha=4.0, targets="blocks/attn/(query|out)/kernel")
   kernels = lora.target_kernels(boxed["params"], lora_config.targets)
   adapters = nn.meta.unbox(lora.init_adapters(jax.random.key(1), kernels, lora_config))
   rng = np.random.default_rng(0)
@@ -379,8 +379,8 @@ def test_imported_llama_fine_tunes_on_chat_data_and_resumes_bit_exactly(imported
     run_config = config_lib.TrainConfig(
         model_dir=str(run_dir), data_dir=data_dir, train_steps=steps, batch_size=8, seq_len=32, log_every=1,
         eval_every=0, checkpoint_every=3, mesh_shape={"data": -1},
-        data=config_lib.DataConfig(eval_batches=1, shuffle_buffer=64),
-        checkpoint=config_lib.CheckpointConfig(async_save=False, warm_start_from=model_dir, warm_start_required=True))
+        data=data_lib.DataConfig(eval_batches=1, shuffle_buffer=64),
+        checkpoint=checkpointing.CheckpointConfig(async_save=False, warm_start_from=model_dir, warm_start_required=True))
     trainer.train(run_config, config, opt)
     return {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))
             if "loss" in r}

@@ -28,7 +28,6 @@ from t5x_like.observe import metrics as metrics_lib
 from t5x_like.parallel import global_batch
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
-from t5x_like.training import config as config_lib
 from t5x_like.training import experiment as experiment_lib
 from t5x_like.posttrain import lora
 from t5x_like.training import step as step_lib
@@ -68,7 +67,7 @@ def test_lora_first_step_is_the_base_model_exactly(lora_run, base):
   _, base_params = base
   assert lora_run["start"] == 0
   assert lora_run["origin"]["lora"] == {"base": os.path.join(base[0], "checkpoints", "0"), "rank": 4, "alpha": 8.0,
-                                        "targets": config_lib.LORA_TARGETS}
+                                        "targets": lora.LORA_TARGETS}
   # B = 0: W + (α/r)·A·0 is W bit for bit, so the merged model's logits are the base's, exactly
   assert digest(lora.merge(base_params, initial.params, LORA.scale)) == digest(base_params)
   with exp.context():
@@ -133,7 +132,7 @@ def test_lora_checkpoint_restores_base_plus_adapters_and_merges_to_a_plain_check
   expected = lora.merge(base[1], jax.tree.map(np.asarray, state.params), LORA.scale)
   assert digest(expected) != digest(base[1])
   # infer/evaluate in the LoRA run's config: base (from the checkpoint's metadata) + adapters, merged
-  fresh = experiment_lib.Experiment(dataclasses.replace(exp.config, checkpoint=config_lib.CheckpointConfig()),
+  fresh = experiment_lib.Experiment(dataclasses.replace(exp.config, checkpoint=checkpointing.CheckpointConfig()),
                                     TINY, OPT)
   step, merged = fresh.restore_params()
   assert step == 2 and fresh.lora_base == os.path.join(base[0], "checkpoints", "0")
@@ -325,6 +324,6 @@ def test_lora_kill_9_then_resume_is_bit_identical_and_merges_through_the_cli(cor
   # infer: the LoRA run (base + adapters) and its merged checkpoint continue a prompt with the same tokens
   cfg = dataclasses.replace(TINY, **{k.split(".")[-1]: v for k, v in CLI_TINY.items()}, dtype="bfloat16")
   samples = [experiment_lib.Experiment(run_config(d, corpus, lora_config=c), cfg, OPT).sample(
-      ["the trainer reads", "a shard"], max_new_tokens=6) for d, c in ((killed, config_lib.LoraConfig(rank=4)),
-                                                                       (str(tmp_path / "merged"), config_lib.LoraConfig()))]
+      ["the trainer reads", "a shard"], max_new_tokens=6) for d, c in ((killed, lora.LoraConfig(rank=4)),
+                                                                       (str(tmp_path / "merged"), lora.LoraConfig()))]
   assert samples[0] == (CLI_STEPS, samples[1][1]) and samples[1][0] == 0 and all(samples[0][1])

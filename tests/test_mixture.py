@@ -12,7 +12,7 @@ from t5x_like.data import mixture as mixture_lib
 from t5x_like.data import preprocessing as pp
 from t5x_like.model import decoder as model_lib
 from t5x_like.parallel import global_batch
-from t5x_like.training import config as config_lib
+from t5x_like import data as data_lib
 from t5x_like.training import trainer
 from tests import conftest
 from tests import test_train_e2e
@@ -129,7 +129,7 @@ def test_missing_source_and_other_tokenizer_are_named(sources, tmp_path):
 def test_training_logs_per_source_tokens_and_eval_loss_and_resumes_bit_identically(sources, tmp_path):
   """A 0.8/0.2 run: metrics.jsonl has data/tokens/<source> and eval/<source>/loss; a copy of its step-2
   checkpoint resumed to step 4 logs the same losses and token counts."""
-  data = config_lib.DataConfig(shuffle_buffer=64, mixture={sources[0]: 0.8, sources[1]: 0.2})
+  data = data_lib.DataConfig(shuffle_buffer=64, mixture={sources[0]: 0.8, sources[1]: 0.2})
   names = mixture_lib.source_names(sources)
 
   def run(model_dir):

@@ -11,7 +11,7 @@ from tests import test_sweep
 
 from t5x_like.experiments import sweep
 from t5x_like.observe import trackers
-from t5x_like.training import config as config_lib
+from t5x_like import observe
 
 mlflow = pytest.importorskip("mlflow")  # the test extra installs it (setup.py)
 
@@ -49,9 +49,9 @@ def test_unknown_tracker_is_refused():
   with pytest.raises(ValueError, match=r"trackers: unknown \['mlfow'\]"):
     trackers.open_trackers(["mlfow"], "/tmp/unused", CONFIG)
   with pytest.raises(ValueError, match=r"trackers: unknown \['mlfow'\]"):  # when gin builds the config
-    config_lib.ObserveConfig(trackers=("tensorboard", "mlfow"))
+    observe.ObserveConfig(trackers=("tensorboard", "mlfow"))
   with pytest.raises(ValueError, match=r"trackers='mlflow': give a tuple, e.g. \('tensorboard', 'mlflow'\)"):
-    config_lib.ObserveConfig(trackers="mlflow")
+    observe.ObserveConfig(trackers="mlflow")
 
 
 def test_a_missing_tracker_package_names_its_extra():

@@ -18,6 +18,7 @@ from t5x_like.data import input_pipeline
 from t5x_like.model import decoder as model_lib
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import config as config_lib
+from t5x_like import data as data_lib
 from t5x_like.training import fault_tolerance
 from t5x_like.training import trainer
 
@@ -47,7 +48,7 @@ def test_tiny_model_learns_far_below_unigram_baseline_and_a_restart_continues_fr
   monkeypatch.chdir(tmp_path)
   model_dir = "run"
   result = trainer.train(run_config(model_dir, dataset, loss_chunk=16,
-                                    data=config_lib.DataConfig(report_unigram_baseline=True)), TINY, OPT)
+                                    data=data_lib.DataConfig(report_unigram_baseline=True)), TINY, OPT)
   baseline = input_pipeline.unigram_baseline(dataset)
   assert result["eval/unigram_baseline"] == baseline
   assert result["eval/loss"] < 0.6 * baseline, (result["eval/loss"], baseline)
@@ -61,7 +62,7 @@ def test_tiny_model_learns_far_below_unigram_baseline_and_a_restart_continues_fr
   assert records[0]["step"] == 0 and records[0]["params/trainable"] == records[0]["params/total"]  # start-up report
   # the restart: four more steps (logged at the last one), evaluating one batch at the end
   trainer.train(run_config(model_dir, dataset, train_steps=84, loss_chunk=16,
-                           data=config_lib.DataConfig(eval_batches=1, shuffle_buffer=64)), TINY, OPT)
+                           data=data_lib.DataConfig(eval_batches=1, shuffle_buffer=64)), TINY, OPT)
   records = [json.loads(line) for line in open(run / "metrics.jsonl")]
   assert [r["step"] for r in records if "loss" in r] == [10, 20, 30, 40, 50, 60, 70, 80, 84]  # started at 81
   assert [r["step"] for r in records if "params/total" in r] == [0, 80]  # each launch's start-up report

@@ -41,12 +41,37 @@ import numpy as np
 
 from t5x_like.parallel import axis_names as ax
 from t5x_like.training import checkpointing
-from t5x_like.training.config import LoraConfig
 
 BASE = "lora_base"  # the frozen base model's key in the objective's `frozen`
 A, B = "lora_a", "lora_b"  # adapter leaf names under their kernel's path
 
 Params = Dict[str, Any]
+
+
+# LoRA's default targets: the attention projections (fused qkv, or query + key_value under GQA) and out,
+# and the MLP's input (and SwiGLU gate) and output kernels.
+LORA_TARGETS = r"blocks/attn/(qkv|query|key_value|out)/kernel|blocks/mlp_(in|gate|out)/kernel"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Low-rank adapters (gin: `lora.LoraConfig`): W + (alpha/rank)·A·B on each target kernel, the base frozen."""
+  rank: int = 0  # adapter rank r; 0 = no LoRA (full or selective fine-tuning)
+  alpha: float = 16.0  # the adapters' update is scaled by alpha / rank
+  dropout: float = 0.0  # dropout on the adapters' input (the decoder blocks' projections), as in PEFT's lora_dropout
+  targets: str = LORA_TARGETS  # regex (re.fullmatch) over parameter paths of the kernels that get adapters
+
+  def __post_init__(self):
+    if self.rank < 0:
+      raise ValueError(f"LoraConfig.rank must be >= 0 (0 = no LoRA), got {self.rank}")
+    if self.rank and self.alpha <= 0:
+      raise ValueError(f"LoraConfig.alpha must be > 0, got {self.alpha}")
+    if not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f"LoraConfig.dropout={self.dropout} must be in [0, 1)")
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
 
 
 def path_name(path: Tuple[str, ...]) -> str:

@@ -27,6 +27,19 @@ STATE, DATA_ITER, METADATA = "state", "data_iter", "metadata"
 CORRUPT_DIR = "checkpoints.corrupt"  # unreadable steps are moved here (MODEL_DIR/checkpoints.corrupt/<step>-<time>)
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """Which checkpoints are written and kept, and where a fresh run takes its first parameters from."""
+  keep: int = 3  # newest checkpoints kept
+  keep_period: int = 0  # also keep every checkpoint whose step is a multiple of this; 0 = none
+  async_save: bool = True  # write checkpoints in the background while training continues
+  warm_start_from: str = ""  # another run's MODEL_DIR or checkpoints/<step>: initial params when MODEL_DIR has none
+  warm_start_optimizer: bool = False  # also take its optimizer state (same optimizer); False = fresh, step 0
+  # Fine-tuning (configs/runs/finetune.gin): refuse to start a fresh run from random parameters when
+  # warm_start_from (INITIAL_CHECKPOINT_PATH) is empty.
+  warm_start_required: bool = False
+
+
 class DataIteratorHandler(ocp.CheckpointHandler):
   """Saves each process's tf.data iterator with tf.train.Checkpoint (exact position, shuffle buffer too).
 

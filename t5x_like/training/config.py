@@ -1,101 +1,21 @@
-"""A training run's configuration: the run itself, plus one frozen dataclass per concern.
+"""A training run's configuration: the run itself, its objective, and the per-concern configs it nests.
 
-Gin binds each class under its own name (`trainer.TrainConfig`, `data.DataConfig`,
-`checkpointing.CheckpointConfig`, `fault_tolerance.FaultToleranceConfig`, `observe.ObserveConfig`,
-`lora.LoraConfig`); `cli.train_config()` builds the nested ones and puts them into the TrainConfig. The run macros of
-DESIGN.md (MODEL_DIR, DATA_DIR, TRAIN_STEPS, BATCH_SIZE, SEQ_LEN, NUM_MICROBATCHES, MESH_SHAPE, SEED,
-LOG_EVERY, EVAL_EVERY, CHECKPOINT_EVERY) stay on TrainConfig, where configs/runs/pretrain.gin binds them.
+Each nested config lives in the module its gin name points to: `data.DataConfig` (t5x_like/data),
+`checkpointing.CheckpointConfig`, `fault_tolerance.FaultToleranceConfig` (training/), `observe.ObserveConfig`
+(t5x_like/observe), `lora.LoraConfig` (posttrain/lora.py), `curriculum.CurriculumConfig`; `cli.train_config()`
+builds them and puts them into the TrainConfig. The run macros of DESIGN.md (MODEL_DIR, DATA_DIR, TRAIN_STEPS,
+BATCH_SIZE, SEQ_LEN, NUM_MICROBATCHES, MESH_SHAPE, SEED, LOG_EVERY, EVAL_EVERY, CHECKPOINT_EVERY) stay on
+TrainConfig, where configs/runs/pretrain.gin binds them.
 """
 
 import dataclasses
 from typing import Mapping, Optional
-from t5x_like.observe import trackers
-from t5x_like.training.curriculum import CurriculumConfig  # re-exported: nested in TrainConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-  """How the training and evaluation batches are read."""
-  shuffle_buffer: int = 1024  # rows permuted together in the training stream
-  # An ordered DATA_DIR (preprocess --order_by) is read in its easy-to-hard order, never shuffled across
-  # it (shuffle_buffer does not apply): rows are permuted only within blocks of this many; 0 = strict order.
-  order_window: int = 0
-  # Readers the global batch is drawn from. The batches depend on this number only, never on the
-  # process count: 1 (default) → identical batches on any number of hosts, each host reading the
-  # whole stream and keeping its rows; a multiple of the host count (e.g. 32) → each host reads only
-  # its own streams. 0 = one stream per process (batches then change with the process count).
-  data_streams: int = 1
-  eval_batches: int = 0  # validation batches per evaluation; 0 = the whole validation split
-  # A weighted mixture of DATA_DIRs read instead of DATA_DIR, e.g. {'/data/web': 0.8, '/data/code': 0.2}
-  # (weights normalised; every source preprocessed with one tokenizer); None = DATA_DIR alone. Each batch
-  # holds each source's share of rows, give or take one (data/mixture.py); eval reports each source's loss.
-  mixture: Optional[Mapping[str, float]] = None
-  # Weights that change during training instead: ((first step, {DATA_DIR: weight}), ...), from step 0, the
-  # first stage naming every DATA_DIR (weight 0 allowed).
-  mixture_stages: tuple = ()
-  report_unigram_baseline: bool = False  # with the final eval, log the context-free unigram loss to beat
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointConfig:
-  """Which checkpoints are written and kept, and where a fresh run takes its first parameters from."""
-  keep: int = 3  # newest checkpoints kept
-  keep_period: int = 0  # also keep every checkpoint whose step is a multiple of this; 0 = none
-  async_save: bool = True  # write checkpoints in the background while training continues
-  warm_start_from: str = ""  # another run's MODEL_DIR or checkpoints/<step>: initial params when MODEL_DIR has none
-  warm_start_optimizer: bool = False  # also take its optimizer state (same optimizer); False = fresh, step 0
-  # Fine-tuning (configs/runs/finetune.gin): refuse to start a fresh run from random parameters when
-  # warm_start_from (INITIAL_CHECKPOINT_PATH) is empty.
-  warm_start_required: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class FaultToleranceConfig:
-  """What a run does about failed saves and non-finite steps."""
-  max_failed_saves: int = 2  # consecutive failed checkpoint saves tolerated; one more stops the run (exit 74)
-  nonfinite_patience: int = 5  # consecutive non-finite steps (each skipped) that trigger nonfinite_action; 0 = never
-  nonfinite_action: str = "stop"  # 'stop' (exit 65) or 'rollback' (to the last checkpoint, skipping the batches since)
-  debug_nan_steps: tuple = ()  # fault injection for tests and drills: steps (1-based) whose batch gets NaN weights
-
-
-@dataclasses.dataclass(frozen=True)
-class ObserveConfig:
-  """Live figures and traces beyond metrics.jsonl / TensorBoard."""
-  prometheus_port: int = 0  # serve the logged figures at http://prometheus_host:PORT/metrics; 0 = off
-  prometheus_host: str = "127.0.0.1"  # address the Prometheus endpoint binds; '0.0.0.0' exposes it
-  profile_steps: Optional[tuple] = None  # (first, last): jax.profiler trace of these steps to MODEL_DIR/profile
-  trackers: tuple = ("tensorboard",)  # also 'mlflow' (MODEL_DIR/mlruns or tracking_uri), 'wandb' (offline unless logged in)
-  tracking_uri: str = ""  # MLflow server or database, e.g. 'http://host:5000'; '' = MODEL_DIR/mlruns
-  experiment: str = ""  # MLflow experiment / W&B project grouping runs ('' = t5x_like; a sweep sets its folder's name)
-
-  def __post_init__(self):
-    trackers.validate(self.trackers)
-
-
-# LoRA's default targets: the attention projections (fused qkv, or query + key_value under GQA) and out,
-# and the MLP's input (and SwiGLU gate) and output kernels.
-LORA_TARGETS = r"blocks/attn/(qkv|query|key_value|out)/kernel|blocks/mlp_(in|gate|out)/kernel"
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraConfig:
-  """Low-rank adapters (posttrain/lora.py): W + (alpha/rank)·A·B on each target kernel, the base frozen."""
-  rank: int = 0  # adapter rank r; 0 = no LoRA (full or selective fine-tuning)
-  alpha: float = 16.0  # the adapters' update is scaled by alpha / rank
-  dropout: float = 0.0  # dropout on the adapters' input (the decoder blocks' projections), as in PEFT's lora_dropout
-  targets: str = LORA_TARGETS  # regex (re.fullmatch) over parameter paths of the kernels that get adapters
-
-  def __post_init__(self):
-    if self.rank < 0:
-      raise ValueError(f"LoraConfig.rank must be >= 0 (0 = no LoRA), got {self.rank}")
-    if self.rank and self.alpha <= 0:
-      raise ValueError(f"LoraConfig.alpha must be > 0, got {self.alpha}")
-    if not 0.0 <= self.dropout < 1.0:
-      raise ValueError(f"LoraConfig.dropout={self.dropout} must be in [0, 1)")
-
-  @property
-  def scale(self) -> float:
-    return self.alpha / self.rank
+from t5x_like.data import DataConfig
+from t5x_like.observe import ObserveConfig
+from t5x_like.posttrain.lora import LoraConfig  # until TrainConfig.lora moves to the recipes (training -> posttrain)
+from t5x_like.training.checkpointing import CheckpointConfig
+from t5x_like.training.curriculum import CurriculumConfig
+from t5x_like.training.fault_tolerance import FaultToleranceConfig
 
 
 # ObjectiveConfig.name values: training/objectives/<name>.py (see training/objective_choice.py).

@@ -4,6 +4,7 @@ The trainer calls a `RunGuard` at three points: after each step (`after_step`), 
 due (`save`), and at the end (`finish`, which raises the reason the run stopped early, if any).
 """
 
+import dataclasses
 import errno
 import os
 import signal
@@ -23,6 +24,15 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint was written at the signal's ste
 EXIT_SAVE_FAILED = 74  # EX_IOERR: checkpoints could not be written (read-only or full MODEL_DIR)
 EXIT_NONFINITE = 65  # EX_DATAERR: too many consecutive non-finite steps
 MAX_ROLLBACKS = 3  # rollbacks to the last checkpoint per launch before a non-finite streak stops the run
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultToleranceConfig:
+  """What a run does about failed saves and non-finite steps."""
+  max_failed_saves: int = 2  # consecutive failed checkpoint saves tolerated; one more stops the run (exit 74)
+  nonfinite_patience: int = 5  # consecutive non-finite steps (each skipped) that trigger nonfinite_action; 0 = never
+  nonfinite_action: str = "stop"  # 'stop' (exit 65) or 'rollback' (to the last checkpoint, skipping the batches since)
+  debug_nan_steps: tuple = ()  # fault injection for tests and drills: steps (1-based) whose batch gets NaN weights
 
 
 class RunStopped(Exception):
