@@ -13,16 +13,18 @@ import optax
 import pytest
 
 from tests import conftest
-from tests.test_finetune import CHAT_MODEL, chat_sft_run, model_params, reverse_chat_data
+from tests.test_finetune import CHAT_MODEL, chat_sft_run, model_params, random_params, reverse_chat_data
 
 from t5x_like.data import chat
 from t5x_like.model import decoder as model_lib
+from t5x_like.model import heads
 from t5x_like.inference import chat_eval
+from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
+from t5x_like import data as data_lib
 from t5x_like.training import experiment as experiment_lib
 from t5x_like.training import optimizer as optimizer_lib
-from t5x_like import data as data_lib
 from t5x_like.posttrain import rewards
 from t5x_like.posttrain import rollout
 from t5x_like.training import step as step_lib
@@ -252,23 +254,23 @@ def test_a_learned_reward_scores_each_prompt_and_completion_with_the_reward_mode
   """reward='reward_model': the reward of a rollout is the reward model's score head read at the completion's end
   marker, computed here independently from the rollout row the step trains on (RLHF with a learned reward)."""
   data_dir, _, sft_dir, _ = sft
-  rm_config = dataclasses.replace(MODEL, score_head=True)
   rm_dir = str(tmp_path / "rm")
   exp = experiment_lib.Experiment(grpo_config(tmp_path / "g", data_dir, sft_dir, reward="reward_model",
                                               reward_checkpoint=rm_dir, temperature=0.0), MODEL, GRPO_OPT)
-  rm_exp = experiment_lib.Experiment(grpo_config(tmp_path / "r", data_dir, sft_dir), rm_config, GRPO_OPT)
-  rm_params, rm_config = model_params(rm_exp, seed=3), rm_exp.model_config  # the DATA_DIR's vocabulary filled in
+  rm_exp = experiment_lib.Experiment(grpo_config(tmp_path / "r", data_dir, sft_dir), MODEL, GRPO_OPT)
+  rm_config = rm_exp.model_config  # the DATA_DIR's vocabulary filled in
+  model = heads.ScoredGPT(rm_config)  # the reward model: the decoder under a score head
+  rm_params = random_params(partitioning.unbox(rm_exp.boxed_params_of(model)), seed=3)
   checkpointing.save_params(rm_dir, rm_params)
   with open(os.path.join(rm_dir, "model.gin"), "w") as f:
     f.writelines(f"model.GPTConfig.{name} = {getattr(rm_config, name)!r}\n" for name in (
         "num_layers", "num_heads", "d_model", "d_ff", "max_len", "tie_embeddings", "position_embedding", "norm",
-        "mlp_activation", "use_bias", "score_head", "vocab_size"))
+        "mlp_activation", "use_bias", "vocab_size"))
   with exp.context():
     _, params = checkpointing.restore_params(sft_dir, abstract_params=exp.abstract_with_shardings().params)
     batch, host = exp.rollouts.batch(params, 1)
   rows = {k: np.asarray(v) for k, v in batch.items()}
   end = exp.rollouts.encoder.marker_ids["end"]
-  model = model_lib.GPT(rm_config)
   sequences = []
   # greedy: the G samples of a prompt are one completion, so one row a group is checked (each group's first)
   group_rows = lambda x: x[::GROUP]
@@ -283,7 +285,7 @@ def test_a_learned_reward_scores_each_prompt_and_completion_with_the_reward_mode
   tokens = np.stack([np.pad(t, (0, width - len(t))) for t in sequences]).astype(np.int32)
   positions = np.broadcast_to(np.arange(width, dtype=np.int32), tokens.shape)
   segments = (positions < lengths[:, None]).astype(np.int32)
-  scores = jax.jit(lambda p, t, pos, seg: model_lib.project_scores(
+  scores = jax.jit(lambda p, t, pos, seg: heads.project_scores(
       p, model.apply({"params": p}, t, pos, seg, return_hidden=True), rm_config))(rm_params, tokens, positions, segments)
   expected = [float(x) for x in np.asarray(scores)[np.arange(len(sequences)), lengths - 1]]
   assert host["reward_mean"] == pytest.approx(np.mean(expected), rel=1e-5)  # groups are equal-sized

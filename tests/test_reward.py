@@ -21,6 +21,7 @@ from t5x_like.data import input_pipeline
 from t5x_like.data import packing
 from t5x_like.data import preference as preference_data
 from t5x_like.model import decoder as model_lib
+from t5x_like.model import heads
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
@@ -139,15 +140,29 @@ def test_reward_model_learns_held_out_pairs_and_scores_like_training(prefs, tmp_
 # ----------------------------------------------------------------------------------------------------
 # The reward step on a mesh layout equals one device.
 
-SMALL = dataclasses.replace(dpo.SMALL, score_head=True)
+SMALL = dpo.SMALL
+
+
+def scored_layout(mesh_shape, devices=None):
+  """layouts.make_layout with the reward model (the decoder under its score head) as the model."""
+  mesh, cfg, model, tx, lr_fn = layouts.make_layout(mesh_shape, devices=devices, base=SMALL)
+  return mesh, cfg, heads.ScoredGPT(model.config), tx, lr_fn
+
+
+def scored_initial_state():
+  """layouts.host_initial_state of the reward model."""
+  mesh, _, model, tx, _ = scored_layout({"data": 1}, devices=jax.devices()[:1])
+  with jax.set_mesh(mesh), nn.logical_axis_rules(layouts.RULES):
+    state, _ = train_state.init_state(model, tx, jax.random.key(0), mesh, layouts.RULES)
+  return jax.tree.map(np.asarray, state)
 
 
 def reward_train(initial, mesh_shape, *, num_microbatches=1, devices=None):
-  mesh, _, model, tx, lr_fn = layouts.make_layout(mesh_shape, devices=devices, base=SMALL)
+  mesh, _, model, tx, lr_fn = scored_layout(mesh_shape, devices=devices)
   rules = layouts.RULES
   cfg = model.config
   objective = reward.Reward(model.apply,
-                            lambda p, h: model_lib.project_scores(p, h, cfg), max_pairs=2)
+                            lambda p, h: heads.project_scores(p, h, cfg), max_pairs=2)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     _, shardings = train_state.state_shardings(model, tx, mesh, rules)
     state = jax.device_put(initial, shardings)
@@ -166,7 +181,7 @@ def reward_train(initial, mesh_shape, *, num_microbatches=1, devices=None):
 
 @pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_reward_step_on_a_layout_equals_one_device():
-  initial = layouts.host_initial_state(base=SMALL)
+  initial = scored_initial_state()
   rng = np.random.RandomState(3)  # a non-zero head, so the body's gradients are not zero at step 1
   initial = initial.replace(params={**initial.params, "score_head": rng.normal(0, 0.2, (SMALL.d_model, 1)).astype(
       np.float32)})
@@ -186,7 +201,7 @@ def test_reward_objective_refuses_text_data_and_a_head_mismatch(prefs, corpus, t
   with pytest.raises(ValueError, match=r"ObjectiveConfig.name='reward' reads a preference DATA_DIR.*format 'text'"):
     experiment_lib.Experiment(run_config(tmp_path / "r", corpus, ""), TINY, OPT)
   exp = experiment_lib.Experiment(run_config(tmp_path / "r", prefs[0], ""), TINY, OPT)
-  assert exp.model_config.score_head and isinstance(exp.objective, reward.Reward)
+  assert isinstance(exp.model, heads.ScoredGPT) and isinstance(exp.objective, reward.Reward)
   bad = str(tmp_path / "bad")  # a checkpoint with a score head of another width
   params = dpo.host_params(TINY, seed=0)
   params["score_head"] = np.zeros((32, 1), np.float32)

@@ -14,6 +14,7 @@ import pytest
 
 from t5x_like.inference import scoring
 from t5x_like.model import decoder as model_lib
+from t5x_like.model import heads
 from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.parallel import partitioning
 from tests.test_engine import DENSE, RULES, make_params, one_device
@@ -92,12 +93,12 @@ def test_loglikelihood_rolling_of_a_short_and_a_long_text(setup):
 
 
 def test_score_reads_the_score_head_at_the_last_token():
-  config = dataclasses.replace(DENSE, score_head=True)
+  config = DENSE
   mesh = mesh_lib.create_mesh({"data": 2, "tensor": 4})
   params = make_params(config, mesh)
   rng = np.random.RandomState(3)
   kernel = rng.normal(0, 1, (config.d_model, 1)).astype(np.float32)
-  params = dict(params, **{model_lib.SCORE_HEAD: jnp.asarray(kernel)})
+  params = dict(params, **{heads.SCORE_HEAD: jnp.asarray(kernel)})
   scorer = scoring.Scorer(config, params, mesh, RULES, batch_size=2)
   sequences = [rng.randint(4, 128, n).tolist() for n in (5, 1, 17, 9, 3)]
   got = scorer.score(sequences)

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from t5x_like.model import config as config_lib
 from t5x_like.model import decoder as model_lib
+from t5x_like.model import heads
 from t5x_like.parallel import axis_names as ax
 from t5x_like.parallel import partitioning
 
@@ -116,13 +117,13 @@ class Scorer:
     return self._score_rows(rows)[0]
 
   def score(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
-    """One float32 score per token sequence: the score head (GPTConfig.score_head) at its last token.
+    """One float32 score per token sequence: the score head (model/heads.py) at its last token.
 
     Raises:
       ValueError: a model without a score head, an empty sequence, or one longer than max_len.
     """
-    if not self.config.score_head:
-      raise ValueError("Scorer.score: the model has no score head (GPTConfig.score_head=False)")
+    if not heads.has_score_head(self.params):
+      raise ValueError(f"Scorer.score: the model has no score head (no '{heads.SCORE_HEAD}' in its parameters)")
     if not sequences:
       return np.zeros([0], np.float32)
     lengths = [len(s) for s in sequences]
@@ -180,7 +181,7 @@ class Scorer:
   def _last_scores_fn(self, params, tokens, segments, lengths):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)
     hidden = self.model.apply({"params": params}, tokens, positions, segments, return_hidden=True)
-    scores = model_lib.project_scores(params, hidden, self.config)  # (B, T)
+    scores = heads.project_scores(params, hidden, self.config)  # (B, T)
     last = jnp.maximum(lengths[:, 0] - 1, 0)
     return jnp.take_along_axis(scores, last[:, None], axis=1)[:, 0]  # (B,)
 

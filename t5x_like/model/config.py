@@ -68,9 +68,6 @@ class GPTConfig:
   moe_group_size: int = 0  # tokens per routing group (capacity is per group); 0 = one sequence
   moe_load_balancing_weight: float = 0.01  # weight of the Switch/GShard load-balancing loss (mean over MoE layers)
   moe_router_z_weight: float = 0.001  # weight of the ST-MoE router z-loss (mean over MoE layers)
-  # A scalar head `score_head` (a (d_model, 1) kernel, zero-initialised) read by project_scores: the reward
-  # model's (posttrain/reward.py). The language-model head stays; a checkpoint without it warm-starts.
-  score_head: bool = False
 
   @property
   def kv_heads(self) -> int:

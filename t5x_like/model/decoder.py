@@ -20,7 +20,6 @@ from t5x_like.parallel import axis_names as ax
 
 
 MOE_STATS = "moe_stats"  # the "intermediates" entry holding the MoE layers' moe.MoeStats (a 1-tuple, as sown)
-SCORE_HEAD = "score_head"  # the scalar head's (d_model, 1) kernel of a GPTConfig.score_head model
 
 
 class GPT(nn.Module):
@@ -77,9 +76,6 @@ class GPT(nn.Module):
     if not cfg.tie_embeddings:  # created here so init makes it; applied by project_logits
       layers.DenseGeneral((cfg.d_model,), (cfg.vocab_size,), (ax.EMBED, ax.VOCAB), (ax.VOCAB,),
                           dtype=cfg.compute_dtype, use_bias=cfg.use_bias, name="lm_head")(x[:, :1])
-    if cfg.score_head:  # created here so init makes it; applied by project_scores
-      self.param(SCORE_HEAD, nn.with_logical_partitioning(nn.initializers.zeros, (ax.EMBED, None)),
-                 (cfg.d_model, 1), jnp.float32)
     if return_hidden and not self.is_initializing():
       return x
     logits = project_logits(nn.meta.unbox(self.variables["params"]), x, cfg)  # (B, T, V) float32
@@ -125,14 +121,6 @@ def project_logits(params, hidden: jax.Array, config: GPTConfig) -> jax.Array:
     valid = jnp.arange(config.vocab_size) < config.valid_vocab_size
     logits = jnp.where(valid, logits, jnp.finfo(jnp.float32).min)
   return layers.constrain(logits, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB))
-
-
-def project_scores(params, hidden: jax.Array, config: GPTConfig) -> jax.Array:
-  """Final hidden states (B, T, D) → one float32 scalar per position (B, T) with the `score_head` kernel
-  (a GPTConfig.score_head model: the reward model reads it at the last response token)."""
-  kernel = params[SCORE_HEAD].astype(config.compute_dtype)[:, 0]  # (D,)
-  scores = jnp.einsum("btd,d->bt", hidden.astype(config.compute_dtype), kernel, preferred_element_type=jnp.float32)
-  return layers.constrain(scores, (ax.BATCH, ax.LENGTH))
 
 
 def init_cache(config: GPTConfig, batch: int, length: int, dtype=None) -> dict:

@@ -32,6 +32,9 @@ MODEL_CONFIG_FILES = ("model.gin", "config.gin")  # a converted checkpoint's mod
 # GPTConfig fields that fix execution, not the function: taken from this run's config, never the teacher's file.
 EXECUTION_FIELDS = ("dtype", "remat_policy", "scan_unroll", "attention_impl", "num_stages",
                     "pipeline_microbatches", "pipeline_repeats", "lora_dropout")
+# Former GPTConfig fields an older run's config.gin may still bind: skipped (the score head is model/heads.py's
+# ScoredGPT).
+RETIRED_FIELDS = ("score_head",)
 _BINDING = re.compile(r"^(?:[\w.]+\.)?GPTConfig\.(\w+)\s*=\s*(.+)$")
 _MACRO = re.compile(r"^([A-Z][A-Z0-9_]*)\s*=\s*(.+)$")
 
@@ -155,7 +158,7 @@ def saved_model_config(path: str, run_config: model_lib.GPTConfig, key: str = "T
       macro, binding = _MACRO.match(line), _BINDING.match(line)
       if macro:
         macros[macro.group(1)] = _literal(macro.group(2), {}, f"{file}:{number}")
-      elif binding:
+      elif binding and binding.group(1) not in RETIRED_FIELDS:
         if binding.group(1) not in names:
           raise ValueError(f"{file}:{number}: GPTConfig has no field {binding.group(1)!r}")
         fields[binding.group(1)] = (binding.group(2), f"{file}:{number}")

@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 
 from t5x_like.model import decoder as model_lib
+from t5x_like.model import heads
 from t5x_like.parallel import axis_names as ax
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
@@ -62,10 +63,10 @@ class FrozenModels:
   def missing_score_head(self, path: str) -> bool:
     """Whether the checkpoint at `path` lacks the score head this model has: a reward model warm-started from an
     SFT or pre-trained model, whose head then starts fresh (zeros)."""
-    if not self.model_config.score_head:
+    if not isinstance(self.model, heads.ScoredGPT):
       return False
-    return model_lib.SCORE_HEAD not in checkpointing.state_tree_metadata(
-        str(checkpointing.resolve_checkpoint(path)[1])).get("params", {})
+    return not heads.has_score_head(checkpointing.state_tree_metadata(
+        str(checkpointing.resolve_checkpoint(path)[1])).get("params", {}))
 
   def warm_start(self, path: str, abstract, with_optimizer: bool):
     """A fresh TrainState with the parameters (and optionally optimizer state) of checkpoint `path`; a score
@@ -76,9 +77,9 @@ class FrozenModels:
     if with_optimizer:
       raise ValueError(f"CheckpointConfig.warm_start_optimizer=True with {path}, which has no score head: its "
                        "optimizer state does not fit a reward model; set it False")
-    body = {k: v for k, v in abstract.params.items() if k != model_lib.SCORE_HEAD}
+    body = {k: v for k, v in abstract.params.items() if k != heads.SCORE_HEAD}
     _, params = checkpointing.restore_params(path, abstract_params=body)
-    return state.replace(params={**params, model_lib.SCORE_HEAD: state.params[model_lib.SCORE_HEAD]})
+    return state.replace(params={**params, heads.SCORE_HEAD: state.params[heads.SCORE_HEAD]})
 
   @property
   def needs_reference(self) -> bool:
@@ -108,7 +109,7 @@ class FrozenModels:
     """
     boxed = self.boxed_params if boxed is None else boxed  # `boxed`: another model's (a teacher's)
     if boxed is self.boxed_params and self.missing_score_head(path):  # a reward model's head starts fresh
-      boxed = {k: v for k, v in boxed.items() if k != model_lib.SCORE_HEAD}
+      boxed = {k: v for k, v in boxed.items() if k != heads.SCORE_HEAD}
     flat = flax.traverse_util.flatten_dict(boxed)
     names = {lora_lib.path_name(p): tuple(AXIS_FIELDS.get(n, "") for n in leaf.names)
              for p, leaf in flat.items() if isinstance(leaf, nn.LogicallyPartitioned)}

@@ -57,7 +57,7 @@ class Reward:
   Attributes:
     apply_fn: the decoder's `apply` ({'params': p}, tokens, positions, segment_ids, return_hidden=True) →
       (B, L, D) final hidden states.
-    score_fn: (params, hidden) → (B, L) float32 scores (decoder.project_scores).
+    score_fn: (params, hidden) → (B, L) float32 scores (model/heads.py project_scores).
     max_pairs: the most pairs a row holds (the DATA_DIR manifest's max_pairs_per_row).
   """
   apply_fn: Callable

@@ -17,6 +17,7 @@ import numpy as np
 
 from t5x_like.inference import scoring
 from t5x_like.model import decoder as model_lib
+from t5x_like.model import heads
 from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
@@ -37,7 +38,8 @@ class RewardModelScorer:
 
     Args:
       checkpoint_path: a reward model's MODEL_DIR (its newest step) or MODEL_DIR/checkpoints/<step>.
-      model_config: its GPTConfig (score_head is set); None = read from the MODEL_DIR's model.gin or config.gin
+      model_config: the GPTConfig of its decoder (heads.ScoredGPT adds the score head); None = read from the
+        MODEL_DIR's model.gin or config.gin
         (a vocabulary of 0 there is read from the checkpoint). Its dtype is the one scoring computes in.
       mesh: the device mesh to hold it (e.g. the training run's `Experiment.mesh`); None = all devices, data parallel.
       rules: logical → mesh axis rules; None = partitioning.DEFAULT_RULES.
@@ -51,9 +53,9 @@ class RewardModelScorer:
     if model_config is None:
       model_config, _ = distill.saved_model_config(checkpoint_path, model_lib.GPTConfig(dtype="float32"),
                                                    key="reward model")
-    self.config = dataclasses.replace(model_config, score_head=True, num_stages=self.mesh.shape["pipeline"])
+    self.config = dataclasses.replace(model_config, num_stages=self.mesh.shape["pipeline"])
     self.config.validate()
-    model = model_lib.GPT(self.config)
+    model = heads.ScoredGPT(self.config)
     with self.context():
       boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
       shardings = partitioning.shardings_from_boxed(boxed, self.mesh, self.rules)

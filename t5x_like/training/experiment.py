@@ -21,6 +21,7 @@ from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.model import config as config_lib
 from t5x_like.model import decoder as model_lib
 from t5x_like.model import decoding
+from t5x_like.model import heads
 from t5x_like.observe import metrics as metrics_lib
 from t5x_like.parallel import global_batch
 from t5x_like.parallel import mesh as mesh_lib
@@ -94,11 +95,10 @@ class Experiment(frozen_models.FrozenModels):
     if config.lora.rank and config.lora.dropout:  # the blocks' projections apply it to their adapters' input
       self.model_config = dataclasses.replace(self.model_config, lora_dropout=config.lora.dropout)
       self.model_config.validate()
-    if config.objective.name == "reward":  # the reward model's scalar head (decoder.project_scores)
-      self.model_config = dataclasses.replace(self.model_config, score_head=True)
     validate_layout(config, self.mesh, self.model_config)  # before anything compiles
     self.rules = tuple(config.axis_rules or partitioning.DEFAULT_RULES)
-    self.model = model_lib.GPT(self.model_config)
+    # a reward model is the decoder with a scalar head (model/heads.py)
+    self.model = heads.model_for(self.model_config, scored=config.objective.name == "reward")
     # The objective over the model's parameters; under LoRA, `objective` wraps it to take adapters.
     choice = objective_choice.make_objective(config, self.manifest, self.model, self.model_config,
                                              loss_scaled=self.initial_loss_scale() is not None)

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any, Optional
 
 from t5x_like.model import decoder as model_lib
+from t5x_like.model import heads
 from t5x_like.posttrain import rewards
 from t5x_like.training.config import TrainConfig
 from t5x_like.posttrain import distill
@@ -68,7 +69,7 @@ def _pairs(config, manifest, model, model_config, *, loss_scaled):
     if config.lora.rank:
       raise ValueError("ObjectiveConfig.name='reward' with LoRA (LoraConfig.rank > 0): the new score head would not "
                        "train; use full or selective fine-tuning")
-    return reward.Reward(model.apply, lambda params, hidden: model_lib.project_scores(params, hidden, model_config),
+    return reward.Reward(model.apply, lambda params, hidden: heads.project_scores(params, hidden, model_config),
                          max_pairs=max_pairs)
   objective = config.objective
   return preference.Preference(model.apply, loss_type=objective.loss_type, beta=objective.beta,
