@@ -21,8 +21,8 @@ from t5x_like.inference.sampling import SamplingParams
 from t5x_like.model import decoder as model_lib
 from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.parallel import partitioning
-from t5x_like.posttrain import grpo
 from t5x_like.posttrain import rollout
+from t5x_like.training import logprobs
 
 DENSE = model_lib.GPTConfig(vocab_size=128, max_len=32, num_layers=2, num_heads=4, d_model=32, d_ff=64,
                             dtype="float32")
@@ -195,7 +195,7 @@ def test_bad_requests_are_one_line_errors(dense):
 def rollout_logprob_gap(dtype: str) -> float:
   """The largest |engine log-prob − trainer log-prob| over the completion tokens of GRPO rollout rows: 4 prompts
   × 2 samples at temperature 1 from the engine on a data × tensor mesh, laid out by rollout.rollout_rows, and
-  the GRPO objective's policy log-probs (grpo.policy_logps: the trainer's forward) of the same rows."""
+  the GRPO objective's policy log-probs (logprobs.model_token_logps: the trainer's forward) of the same rows."""
   config = dataclasses.replace(DENSE, dtype=dtype)
   mesh = mesh_lib.create_mesh({"data": 2, "tensor": 4})
   params = make_params(config, mesh, seed=1)
@@ -206,7 +206,7 @@ def rollout_logprob_gap(dtype: str) -> float:
   features = rollout.rollout_rows([p for p, _ in rows], [c.tokens for _, c in rows], np.zeros(len(rows), np.float32),
                                   seq_len=config.max_len, pad_id=0)
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-    logps = jax.jit(lambda p, b: grpo.policy_logps(model_lib.GPT(config).apply, p, b))(
+    logps = jax.jit(lambda p, b: logprobs.model_token_logps(model_lib.GPT(config).apply, p, b))(
         params, {k: jnp.asarray(v) for k, v in features.items()})
   logps = np.asarray(logps)
   gaps = []
@@ -226,3 +226,18 @@ def test_rollout_logprobs_equal_the_trainers(dtype, atol):
   gap = rollout_logprob_gap(dtype)
   print(f"rollout log-prob gap {dtype}: {gap:.3g}")
   assert gap <= atol
+
+
+def test_a_pipeline_mesh_decodes_like_one_device(dense):
+  """On a pipeline × data mesh (the layer stack split over stages, the config as the trainer sets it) the engine
+  decodes with the stages run in turn: the same greedy tokens and log-probs as on one device."""
+  mesh, params = dense
+  prompts = prompts_of((3, 7, 5, 1))
+  sampling = SamplingParams(max_tokens=6)
+  want = Engine(DENSE, params, mesh, RULES, slots=4).generate(prompts, sampling)
+  staged = dataclasses.replace(DENSE, num_stages=2)
+  pipeline = mesh_lib.create_mesh({"pipeline": 2, "data": 4})
+  got = Engine(staged, make_params(DENSE, pipeline), pipeline, RULES, slots=4).generate(prompts, sampling)
+  for [a], [b] in zip(want, got):
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=LOGITS_ATOL)
