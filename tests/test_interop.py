@@ -28,14 +28,15 @@ from t5x_like.data import tokenizer as tokenizer_lib  # pylint: disable=g-import
 from t5x_like.interop import hf  # pylint: disable=g-import-not-at-top
 from t5x_like.interop import hf_config  # pylint: disable=g-import-not-at-top
 from t5x_like.model import decoder  # pylint: disable=g-import-not-at-top
-from t5x_like.model import decoding  # pylint: disable=g-import-not-at-top
 from t5x_like.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+from t5x_like.inference import sampling  # pylint: disable=g-import-not-at-top
 from t5x_like.parallel import partitioning  # pylint: disable=g-import-not-at-top
+from tests.decode_reference import engine_tokens  # pylint: disable=g-import-not-at-top
 from t5x_like.training import checkpointing  # pylint: disable=g-import-not-at-top
 from t5x_like.posttrain import lora  # pylint: disable=g-import-not-at-top
 from t5x_like.training import config as config_lib  # pylint: disable=g-import-not-at-top
-from t5x_like.training import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
 from t5x_like import data as data_lib  # pylint: disable=g-import-not-at-top
+from t5x_like.training import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
 from t5x_like.training import trainer  # pylint: disable=g-import-not-at-top
 from t5x_like.data import chat_synth  # pylint: disable=g-import-not-at-top
 from t5x_like.data import preprocessing  # pylint: disable=g-import-not-at-top
@@ -67,8 +68,8 @@ def test_imported_logits_equal_transformers(name, hf_models, imported):
 def test_greedy_generation_equals_transformers(name, hf_models, imported):
   _, config, params = imported[name]
   prompts = [[5, 17, 42, 9, 250, 33], [7, 260, 11]]  # left-padded to 6
-  tokens, segment_ids = decoding.left_pad(prompts)
-  ours = decoding.generate(params, tokens, segment_ids, jax.random.key(0), config=config, max_new_tokens=10)
+  tokens, segment_ids = sampling.left_pad(prompts)
+  ours = engine_tokens(config, params, prompts, 10)
   with torch.no_grad():
     theirs = hf_models[name][0].generate(torch.tensor(tokens, dtype=torch.long),
                                          attention_mask=torch.tensor(segment_ids, dtype=torch.long),

@@ -18,11 +18,11 @@ import pytest
 from t5x_like import cli
 from t5x_like.model import config as config_lib
 from t5x_like.model import decoder as model_lib
-from t5x_like.model import decoding
 from t5x_like.model import layers
 from t5x_like.observe import flops
 from t5x_like.parallel import partitioning
 from tests import test_parallelism
+from tests.decode_reference import engine_tokens, generate_by_recompute
 
 LLAMA = dataclasses.replace(test_parallelism.CFG, norm="rmsnorm", mlp_activation="swiglu", position_embedding="rope",
                             num_kv_heads=4, use_bias=False, tie_embeddings=False)
@@ -100,15 +100,12 @@ def test_grouped_query_cache_holds_kv_heads_and_decodes_like_recompute(small_par
   cache = model_lib.init_cache(SMALL, 2, 12)
   assert cache["k"].shape == (SMALL.num_layers, 2, 12, SMALL.num_kv_heads, SMALL.head_dim)
   prompts = np.random.RandomState(2).randint(4, 128, (2, 5)).astype(np.int32)
-  cached = decoding.generate(small_params, jnp.asarray(prompts), jnp.ones_like(prompts), jax.random.key(0),
-                             config=SMALL, max_new_tokens=6)
-  recomputed = decoding.generate_by_recompute(small_params, prompts, config=SMALL, max_new_tokens=6)
+  cached = engine_tokens(SMALL, small_params, prompts, 6)
+  recomputed = generate_by_recompute(small_params, prompts, config=SMALL, max_new_tokens=6)
   np.testing.assert_array_equal(np.asarray(cached), np.asarray(recomputed))
   # a left-padded shorter prompt continues exactly as it does alone (positions count from its first token)
-  tokens, segments = decoding.left_pad([list(prompts[0]), list(prompts[1, :3])])
-  padded = decoding.generate(small_params, jnp.asarray(tokens), jnp.asarray(segments), jax.random.key(0),
-                             config=SMALL, max_new_tokens=6)
-  alone = decoding.generate_by_recompute(small_params, prompts[1:, :3], config=SMALL, max_new_tokens=6)
+  padded = engine_tokens(SMALL, small_params, [list(prompts[0]), list(prompts[1, :3])], 6)
+  alone = generate_by_recompute(small_params, prompts[1:, :3], config=SMALL, max_new_tokens=6)
   np.testing.assert_array_equal(np.asarray(padded)[1], np.asarray(alone)[0])
 
 
@@ -125,8 +122,7 @@ def test_padding_vocabulary_rows_are_masked_out_of_the_softmax(small_params):
   # even when the padding rows' weights would win, generation never emits them
   boosted = jax.tree.map(np.array, small_params)
   boosted["lm_head"]["kernel"][:, 100:] = 50.0
-  out = decoding.generate(boosted, jnp.asarray(tokens), jnp.ones_like(tokens), jax.random.key(0), config=masked_cfg,
-                          max_new_tokens=4, temperature=1.0)
+  out = engine_tokens(masked_cfg, boosted, tokens, 4, temperature=1.0)
   assert np.asarray(out).max() < 100
 
 

@@ -25,7 +25,6 @@ from t5x_like import cli
 from t5x_like.model import blocks
 from t5x_like.model import config as config_lib
 from t5x_like.model import decoder as model_lib
-from t5x_like.model import decoding
 from t5x_like.model import moe
 from t5x_like.observe import flops
 from t5x_like.observe import metrics as metrics_lib
@@ -35,6 +34,7 @@ from t5x_like.parallel import partitioning
 from t5x_like.planning import planner
 from t5x_like.training.objectives import language_model
 from tests import test_parallelism
+from tests.decode_reference import engine_tokens, generate_by_recompute
 
 # 8 experts (so `expert` can be 8), top-2, capacity factor 1: 4 slots per expert for a 16-token sequence, so
 # ~10% of the assignments are dropped at initialisation. Every layer MoE; moe_every = 2 is covered by the
@@ -301,10 +301,9 @@ def test_kv_cache_decoding_of_moe_groups_equals_recompute():
   assert set(params["blocks"]) == {"layer_0", "layer_1"} and "moe" in params["blocks"]["layer_1"]
   params = jax.tree.map(lambda w: 10 * w, params)  # a sharper model: dropped tokens would change its predictions
   prompts = np.random.RandomState(2).randint(1, GROUPED.vocab_size, (2, 5)).astype(np.int32)
-  cached = decoding.generate(params, jnp.asarray(prompts), jnp.ones_like(prompts), jax.random.key(0), config=GROUPED,
-                             max_new_tokens=2)
-  recomputed = decoding.generate_by_recompute(params, prompts, config=dataclasses.replace(GROUPED, moe_dropless=True),
-                                              max_new_tokens=2)
+  cached = engine_tokens(GROUPED, params, prompts, 2)
+  recomputed = generate_by_recompute(params, prompts, config=dataclasses.replace(GROUPED, moe_dropless=True),
+                                     max_new_tokens=2)
   np.testing.assert_array_equal(np.asarray(cached), np.asarray(recomputed))
 
 
