@@ -100,16 +100,85 @@ class ServerProcess:
 
 
 def post(url: str, body, raw: bool = False) -> tuple:
-  """(status, JSON reply, headers) of a POST (`raw`: body is already bytes)."""
+  """(status, JSON reply, headers (case-insensitive)) of a POST (`raw`: body is already bytes)."""
   data = body if raw else json.dumps(body).encode()
   request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
   try:
     with urllib.request.urlopen(request, timeout=120) as r:
-      return r.status, json.loads(r.read()), dict(r.headers)
+      return r.status, json.loads(r.read()), r.headers
   except urllib.error.HTTPError as e:
-    return e.code, json.loads(e.read()), dict(e.headers)
+    return e.code, json.loads(e.read()), e.headers
 
 
 def get(url: str) -> str:
   with urllib.request.urlopen(url, timeout=60) as r:
     return r.read().decode()
+
+
+class Chromium:
+  """Headless Chromium driven over the DevTools protocol on a pipe (--remote-debugging-pipe: the browser reads
+  NUL-terminated JSON commands on fd 3 and writes replies on fd 4), so no websocket client is needed.
+
+  Example:
+    with Chromium(binary, profile_dir) as browser:
+      session = browser.open(url); browser.evaluate(session, "document.title")
+  """
+
+  def __init__(self, binary: str, profile_dir: str, width: int = 900, height: int = 640):
+    to_browser, self._out = os.pipe()
+    self._in, from_browser = os.pipe()
+
+    args = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
+            f"--user-data-dir={profile_dir}", f"--window-size={width},{height}"]
+    wire = f'exec "$0" "$@" 3<&{to_browser} 4>&{from_browser} {to_browser}<&- {from_browser}>&-'  # fds 3 and 4
+    self.proc = subprocess.Popen(["bash", "-c", wire, *args], pass_fds=(to_browser, from_browser),
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.close(to_browser)
+    os.close(from_browser)
+    self._reader = os.fdopen(self._in, "rb")
+    self._next_id = 0
+    self._buffer = b""
+
+  def call(self, method: str, session: str | None = None, **params) -> dict:
+    """Sends one command and returns its result (events in between are skipped)."""
+    self._next_id += 1
+    message = {"id": self._next_id, "method": method, "params": params}
+    if session:
+      message["sessionId"] = session
+    os.write(self._out, json.dumps(message).encode() + b"\0")
+    while True:
+      while b"\0" not in self._buffer:
+        chunk = self._reader.read1(65536)
+        if not chunk:
+          raise RuntimeError(f"chromium closed the pipe (exit {self.proc.poll()})")
+        self._buffer += chunk
+      raw, self._buffer = self._buffer.split(b"\0", 1)
+      reply = json.loads(raw)
+      if reply.get("id") == self._next_id:
+        if "error" in reply:
+          raise RuntimeError(f"{method}: {reply['error']}")
+        return reply["result"]
+
+  def open(self, url: str) -> str:
+    """A new tab at `url`; returns its session id."""
+    target = self.call("Target.createTarget", url=url)["targetId"]
+    return self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+
+  def evaluate(self, session: str, expression: str):
+    return self.call("Runtime.evaluate", session, expression=expression, returnByValue=True)["result"].get("value")
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    try:
+      self.call("Browser.close")
+    except (RuntimeError, OSError):
+      pass
+    try:
+      self.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+      self.proc.kill()
+      self.proc.wait()
+    os.close(self._out)
+    self._reader.close()
