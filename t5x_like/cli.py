@@ -18,6 +18,7 @@ from t5x_like.model import decoder
 from t5x_like.parallel import distributed
 from t5x_like.parallel import host_allocator
 from t5x_like.posttrain import lora
+from t5x_like.posttrain import lora_runs  # noqa: F401  # the runtime reads LoRA runs with their own settings
 from t5x_like.training import checkpointing
 from t5x_like.training import curriculum
 from t5x_like.training import fault_tolerance

@@ -16,8 +16,7 @@ from t5x_like.model import decoder as model
 from t5x_like.inference import chat_eval
 from t5x_like.inference.engine import Engine
 from t5x_like.inference.sampling import SamplingParams
-from t5x_like.training import optimizer
-from t5x_like.training import experiment
+from t5x_like.training import runtime as runtime_lib
 
 FLAGS = flags.FLAGS
 
@@ -45,7 +44,7 @@ def define_flags() -> None:
                       "tokenizer.json or HF folder (e.g. a converted MODEL_DIR); with it DATA_DIR may be ''.")
 
 
-def chat_main(exp: experiment.Experiment) -> None:
+def chat_main(exp: runtime_lib.Runtime) -> None:
   """--chat: answers every conversation of --prompt_file and every --prompt, in order."""
   lines = chat_eval.read_chat_lines(FLAGS.prompt_file) if FLAGS.prompt_file else []
   for i, prompt in enumerate(FLAGS.prompt):
@@ -103,8 +102,8 @@ def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments {argv[1:]}")
   gin_utils.parse_gin_flags()
-  exp = experiment.Experiment(gin_utils.train_config(), gin_utils.configured(model.GPTConfig, "model"),
-                              gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))
+  # no optimizer, no objective: a LoRA run's checkpoint is read with the settings it records
+  exp = runtime_lib.Runtime(gin_utils.train_config(), gin_utils.configured(model.GPTConfig, "model"))
   if FLAGS.chat:
     chat_main(exp)
     return

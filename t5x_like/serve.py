@@ -14,8 +14,7 @@ from t5x_like import cli as gin_utils
 from t5x_like.data import chat
 from t5x_like.inference import server
 from t5x_like.model import decoder as model
-from t5x_like.training import experiment
-from t5x_like.training import optimizer
+from t5x_like.training import runtime as runtime_lib
 
 FLAGS = flags.FLAGS
 
@@ -43,8 +42,7 @@ def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments {argv[1:]}")
   gin_utils.parse_gin_flags()
-  runtime = experiment.Experiment(gin_utils.train_config(), gin_utils.configured(model.GPTConfig, "model"),
-                                  gin_utils.configured(optimizer.OptimizerConfig, "optimizer"))
+  runtime = runtime_lib.Runtime(gin_utils.train_config(), gin_utils.configured(model.GPTConfig, "model"))
   name = FLAGS.model_name or os.path.basename(os.path.normpath(runtime.config.model_dir)) or "t5x_like"
   config = server.ServeConfig(host=FLAGS.host, port=FLAGS.port, max_batch=FLAGS.max_batch,
                               max_seq_len=FLAGS.max_seq_len, max_waiting=FLAGS.max_waiting,

@@ -6,25 +6,16 @@ plus the data streams, evaluation over the objective, and frozen models on the s
 model `lora.BASE`, and the objective is wrapped to merge them (posttrain/lora.py).
 """
 
-import contextlib
-import dataclasses
 import functools
-import math
 from typing import Optional
 
-import flax.linen as nn
 import jax
 
 from t5x_like.data import input_pipeline
 from t5x_like.data import mixture as mixture_lib
-from t5x_like.data import tokenizer as tokenizer_lib
-from t5x_like.model import config as config_lib
 from t5x_like.model import decoder as model_lib
-from t5x_like.model import decoding
-from t5x_like.model import heads
 from t5x_like.observe import metrics as metrics_lib
 from t5x_like.parallel import global_batch
-from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.parallel import offload
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
@@ -33,6 +24,7 @@ from t5x_like.posttrain import lora as lora_lib
 from t5x_like.training import objective_choice
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import precision
+from t5x_like.training import runtime as runtime_lib
 from t5x_like.posttrain import rollout
 from t5x_like.training import step as step_lib
 from t5x_like.training import train_state as train_state_lib
@@ -46,59 +38,20 @@ from t5x_like.posttrain import preference
 _NO_DATA_DIR = "DATA_DIR is not set: training and evaluation read a prepared dataset (python -m t5x_like.preprocess)"
 
 
-def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
-  return int(math.ceil(vocab_size / multiple) * multiple)
+# re-exported for the tests that check them here until this module is gone (training/runtime.py)
+resolve_model_config = runtime_lib.resolve_model_config
+validate_layout = runtime_lib.validate_layout
 
 
-def resolve_model_config(model_config: model_lib.GPTConfig, manifest: Optional[dict], mesh, seq_len: int):
-  """Fills the dataset's vocabulary and the mesh's stage count into the model config, then validates."""
-  if manifest is None and not model_config.vocab_size:
-    raise ValueError("GPTConfig.vocab_size is 0 and there is no DATA_DIR to take it from: set DATA_DIR or "
-                     "model.GPTConfig.vocab_size (a converted MODEL_DIR's model.gin does)")
-  vocab = model_config.vocab_size or padded_vocab_size(manifest["vocab_size"])
-  if manifest is not None and vocab < manifest["vocab_size"]:
-    raise ValueError(f"GPTConfig.vocab_size={vocab} is smaller than the dataset's tokenizer "
-                     f"({manifest['vocab_size']} pieces)")
-  cfg = dataclasses.replace(model_config, vocab_size=vocab, num_stages=mesh.shape["pipeline"])
-  cfg.validate()
-  if seq_len > cfg.max_len:
-    raise ValueError(f"SEQ_LEN={seq_len} is larger than the model's max_len={cfg.max_len} "
-                     f"(GPTConfig.max_len)")
-  return cfg
-
-
-def validate_layout(config: TrainConfig, mesh, model_config: model_lib.GPTConfig) -> None:
-  """Errors a user can act on, raised before anything compiles: the one layout validator under the
-  rules in use, and the batch over the processes."""
-  if config.batch_size % jax.process_count():
-    raise ValueError(f"BATCH_SIZE={config.batch_size} is not divisible by {jax.process_count()} processes")
-  config_lib.check_layout(model_config, mesh.shape, config.axis_rules, batch_size=config.batch_size,
-                          num_microbatches=config.num_microbatches, seq_len=config.seq_len)
-
-
-class Experiment(frozen_models.FrozenModels):
-  """A run's mesh, model, objective, optimizer and shardings, built once."""
+class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
+  """A run's runtime (mesh, model, restore) with its objective, optimizer and shardings, built once."""
 
   def __init__(self, config: TrainConfig, model_config: model_lib.GPTConfig,
                optimizer_config: optimizer_lib.OptimizerConfig,
                precision_config: Optional[precision.PrecisionConfig] = None):
-    self.config = config
+    super().__init__(config, model_config, scored=config.objective.name == "reward")  # reward: the score head
     self.precision_config = precision_config or precision.PrecisionConfig()
-    # None without a DATA_DIR: such an Experiment only samples (infer --tokenizer=...).
-    # DataConfig.mixture / mixture_stages: several DATA_DIRs (one tokenizer) read instead of DATA_DIR.
-    self.mixture = (mixture_lib.Mixture.create(config.data.mixture, config.data.mixture_stages)
-                    if config.data.mixture or config.data.mixture_stages else None)
-    self.manifest = (self.mixture.manifest if self.mixture else
-                     input_pipeline.load_manifest(config.data_dir) if config.data_dir else None)
-    self.mesh = mesh_lib.create_mesh(config.mesh_shape)
-    self.model_config = resolve_model_config(model_config, self.manifest, self.mesh, config.seq_len)
-    if config.lora.rank and config.lora.dropout:  # the blocks' projections apply it to their adapters' input
-      self.model_config = dataclasses.replace(self.model_config, lora_dropout=config.lora.dropout)
-      self.model_config.validate()
-    validate_layout(config, self.mesh, self.model_config)  # before anything compiles
-    self.rules = tuple(config.axis_rules or partitioning.DEFAULT_RULES)
-    # a reward model is the decoder with a scalar head (model/heads.py)
-    self.model = heads.model_for(self.model_config, scored=config.objective.name == "reward")
+    lora_lib.validate(config.lora, self.model_config)  # LoRA dropout: not with pipeline stages
     # The objective over the model's parameters; under LoRA, `objective` wraps it to take adapters.
     choice = objective_choice.make_objective(config, self.manifest, self.model, self.model_config,
                                              loss_scaled=self.initial_loss_scale() is not None)
@@ -140,25 +93,6 @@ class Experiment(frozen_models.FrozenModels):
     """GRPO's prompts, sampler and rewards (built on first use: it reads the DATA_DIR's prompts)."""
     return rollout.Rollouts(self)
 
-  @functools.cached_property
-  def boxed_params(self):
-    """The model's abstract parameters, boxed with their logical axis names (nothing allocated)."""
-    return self.boxed_params_of(self.model)
-
-  def boxed_params_of(self, model):
-    """A model's abstract parameters on this mesh, boxed with their logical axis names (nothing allocated)."""
-    with self.context():
-      return jax.eval_shape(lambda: model.init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))["params"]
-
-  @functools.cached_property
-  def model_shardings(self):
-    """NamedShardings of the model's parameters on this mesh (of the base model under LoRA)."""
-    return partitioning.shardings_from_boxed(self.boxed_params, self.mesh, self.rules)
-
-  def abstract_model_params(self):
-    """The model's parameters as ShapeDtypeStructs with this run's shardings (a restore target)."""
-    return checkpointing.abstract_with_shardings(partitioning.unbox(self.boxed_params), self.model_shardings)
-
   def startup_report(self) -> dict:
     """What trains and what it costs: parameter counts and bytes per device of the parameters that
     train, their optimizer state and (under LoRA) the frozen base."""
@@ -182,13 +116,6 @@ class Experiment(frozen_models.FrozenModels):
       report["memory/frozen_teacher_bytes_per_device"] = train_state_lib.bytes_per_device(
           partitioning.unbox(self.teacher_boxed_params), self.teacher_shardings)
     return report
-
-  def context(self):
-    """Mesh + logical rules: entered before any trace, or sharding constraints silently vanish."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(jax.set_mesh(self.mesh))
-    stack.enter_context(nn.logical_axis_rules(self.rules))
-    return stack
 
   def initial_loss_scale(self):
     """The dynamic loss-scale state a fresh TrainState starts with (None without loss scaling)."""
@@ -308,7 +235,8 @@ class Experiment(frozen_models.FrozenModels):
   def restore_params(self, step: Optional[int] = None):
     """(step, params) of MODEL_DIR's newest readable checkpoint (or `step`), on this mesh; no optimizer state.
 
-    Under LoRA: the base the checkpoint refers to merged with its adapters (the model's parameters).
+    Under this config's LoRA: the base the checkpoint refers to merged with its adapters (the model's
+    parameters); without, a LoRA run's checkpoint is read with the settings it records (Runtime.restore_params).
     """
     if self.lora:
       found, adapters = self.restore_adapters(step)
@@ -316,9 +244,7 @@ class Experiment(frozen_models.FrozenModels):
                       out_shardings=self.model_shardings)
       with self.context():
         return found, merge(self.frozen[lora_lib.BASE], adapters)
-    self._refuse_lora_checkpoint(step)
-    abstract = self.abstract_with_shardings().params
-    return checkpointing.restore_newest_params(self.config.model_dir, abstract, step)
+    return super().restore_params(step)
 
   def restore_adapters(self, step: Optional[int] = None):
     """(step, adapters) of a LoRA run's checkpoint, with the base it names (its metadata) loaded as the
@@ -331,53 +257,6 @@ class Experiment(frozen_models.FrozenModels):
       raise ValueError(f"{path}: the checkpoint's metadata names no LoRA base (metadata key lora.base)")
     self.load_lora_base(base)
     return found, adapters
-
-  def _refuse_lora_checkpoint(self, step: Optional[int]) -> None:
-    """A one-line error when MODEL_DIR holds LoRA adapters but this config has no LoraConfig.rank."""
-    try:
-      _, path = checkpointing.step_dir(self.config.model_dir, step)
-      meta = checkpointing.read_metadata(path).get("lora")
-    except Exception:  # pylint: disable=broad-except  # no or unreadable checkpoint: the restore says so
-      return
-    if meta:
-      raise ValueError(f"{path} holds LoRA adapters (rank {meta.get('rank')}, base {meta.get('base')}): pass the "
-                       f"run's LoRA settings (--gin.lora.LoraConfig.rank={meta.get('rank')}) or merge them into a "
-                       "plain checkpoint first (python -m t5x_like.checkpoints merge_lora MODEL_DIR --output_dir=DIR)")
-
-  def load_tokenizer(self, tokenizer: Optional[str] = None):
-    """The tokenizer prompts are encoded with: `tokenizer` (a .model, tokenizer.json or HF folder) if given,
-    else DATA_DIR's; refused when it has more ids than the model's vocabulary has rows."""
-    if tokenizer is None and self.manifest is None:
-      raise ValueError("no tokenizer to encode the prompts: set DATA_DIR or pass --tokenizer=PATH "
-                       "(a .model, tokenizer.json or an HF folder)")
-    tok = tokenizer_lib.load(tokenizer or input_pipeline.resolve_path(self.config.data_dir, self.manifest["tokenizer"]))
-    if max(tok.vocab_size, tok.pad_id + 1) > self.model_config.vocab_size:
-      raise ValueError(f"Tokenizer '{tok.path}' has {tok.vocab_size} ids (pad id {tok.pad_id}) but the model's "
-                       f"vocabulary has {self.model_config.vocab_size} rows: not this model's tokenizer")
-    return tok
-
-  def sample(self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             seed: int = 0, step: Optional[int] = None, tokenizer: Optional[str] = None):
-    """Continues each prompt with the KV-cache sampler from MODEL_DIR's newest readable checkpoint (or `step`).
-
-    `tokenizer`: a .model, tokenizer.json or HF folder to use instead of DATA_DIR's (needed without one).
-
-    Returns:
-      (checkpoint step, [continuation text per prompt]).
-    """
-    tok = self.load_tokenizer(tokenizer)
-    encoded = [tok.encode(p) for p in prompts]
-    longest = max(len(e) for e in encoded) + max_new_tokens
-    if longest > self.model_config.max_len:
-      raise ValueError(f"prompt + --max_new_tokens = {longest} tokens exceeds the model's "
-                       f"max_len={self.model_config.max_len}")
-    with self.context():
-      found, params = self.restore_params(step)
-      tokens, segments = decoding.left_pad(encoded, tok.pad_id)
-      out = decoding.generate(params, tokens, segments, jax.random.key(seed), config=self.model_config,
-                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                              eos_id=tok.eos_id, pad_id=tok.pad_id)
-    return found, [tok.decode([int(t) for t in row]) for row in jax.device_get(out)]
 
   def evaluate_checkpoint(self, step: Optional[int] = None, split: str = "validation") -> dict:
     """Restores a checkpoint onto this mesh and evaluates it on `split` of DATA_DIR.
