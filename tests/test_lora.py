@@ -13,6 +13,7 @@ import time
 import flax
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -88,9 +89,7 @@ def test_lora_adapters_run_in_the_model_like_merged_weights_and_dropout_is_seede
     merged = jax.jit(exp.model_objective.loss)(lora.merge(base[1], state.params, LORA.scale), batches[0], {})
     np.testing.assert_allclose(float(in_model[0]), float(merged[0]), rtol=2e-6)
     assert float(in_model[0]) != float(exp.model_objective.loss(base[1], batches[0], {})[0])  # adapters act
-    model = model_lib.GPT(dataclasses.replace(exp.model_config, lora_dropout=0.5))
-    dropped = dataclasses.replace(exp.objective, dropout=0.5,
-                                  inner=dataclasses.replace(exp.model_objective, apply_fn=model.apply))
+    dropped = dataclasses.replace(exp.objective, dropout=0.5)
     loss = jax.jit(dropped.loss)
     first, again = loss(state.params, batches[0], exp.frozen), loss(state.params, batches[0], exp.frozen)
     assert float(first[0]) == float(again[0]) and abs(float(first[0]) - float(in_model[0])) > 1e-4
@@ -149,9 +148,10 @@ def test_lora_checkpoint_restores_base_plus_adapters_and_merges_to_a_plain_check
   with exp.context():  # the merged model's loss on the evaluation batch is the LoRA evaluation's
     loss, weight, _ = jax.jit(exp.model_objective.loss)(plain_params, exp.global_batch(batch_of(exp, 0)), {})
   assert float(loss / weight) == pytest.approx(lora_eval["eval/loss"], rel=1e-6)
-  # a plain config pointed at the LoRA run says what to do instead of failing inside orbax
-  with pytest.raises(ValueError, match="holds LoRA adapters.*LoraConfig.rank=4.*merge_lora"):
-    experiment_lib.Experiment(run_config(exp.config.model_dir, corpus), TINY, OPT).restore_params()
+  # a plain config pointed at the LoRA run reads it with the settings its checkpoint records (runtime.py)
+  _, unflagged = experiment_lib.Experiment(run_config(exp.config.model_dir, corpus), TINY, OPT).restore_params()
+  for got, want in zip(jax.tree.leaves(unflagged), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-7)
 
 
 def test_lora_trainable_fraction_on_gpt2_small_is_below_one_percent():
@@ -214,6 +214,40 @@ def lora_initial():
   state = train_state.TrainState(step=np.zeros((), np.int32), params=adapters,
                                  opt_state=jax.tree.map(np.asarray, tx.init(adapters)))
   return state, random_params(partitioning.unbox(boxed), seed=3)
+
+
+def test_adapters_run_in_the_model_only_under_the_wrapper(lora_initial):
+  """lora.in_model adds dropout(x)·A·(sB) to each block projection that finds adapters beside its kernel
+  (lora.attach), under the layer scan with or without remat: logits and the adapters' gradients equal those of
+  the merged weights W + sA·B within float32 rounding; outside the wrapper the model ignores the adapters (the
+  base's logits, exactly); LoRA dropout (the apply's 'dropout' rng) draws the same masks when remat recomputes."""
+  state, base_params = lora_initial
+  tokens = layouts.synthetic_batch()["inputs"][:4, :16]
+  sums = lambda f: lambda a: jnp.sum(jnp.sin(f(a)) * jnp.arange(1.0, 1.0 + f(a).shape[-1]))
+  dropped_grads = []
+  for remat in ("none", "full"):
+    model = model_lib.GPT(dataclasses.replace(LLAMA, remat_policy=remat))
+
+    def in_model(adapters, dropout=0.0, rng=None, model=model):
+      with lora.in_model(dropout):
+        return model.apply({"params": lora.attach(base_params, adapters, LORA.scale)}, tokens,
+                           rngs=None if rng is None else {"dropout": rng})
+
+    merged = lambda a, model=model: model.apply({"params": lora.merge(base_params, a, LORA.scale)}, tokens)
+    got, want = jax.jit(in_model)(state.params), jax.jit(merged)(state.params)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    base_logits = model.apply({"params": base_params}, tokens)
+    assert np.max(np.abs(np.asarray(got) - np.asarray(base_logits))) > 1e-2  # the adapters act
+    outside = model.apply({"params": lora.attach(base_params, state.params, LORA.scale)}, tokens)
+    np.testing.assert_array_equal(np.asarray(outside), np.asarray(base_logits))
+    for g, w in zip(jax.tree.leaves(jax.jit(jax.grad(sums(in_model)))(state.params)),
+                    jax.tree.leaves(jax.jit(jax.grad(sums(merged)))(state.params))):
+      np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(w))))
+    dropped = lambda a, in_model=in_model: in_model(a, 0.5, jax.random.key(1))
+    assert np.max(np.abs(np.asarray(jax.jit(dropped)(state.params)) - np.asarray(got))) > 1e-2
+    dropped_grads.append(jax.jit(jax.grad(sums(dropped)))(state.params))
+  for g, w in zip(*map(jax.tree.leaves, dropped_grads)):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(w))))
 
 
 @pytest.fixture(scope="module")
