@@ -12,7 +12,7 @@ setuptools.setup(
     # package t5x_like.configs, so `--gin_file=configs/...` resolves after a non-editable install too.
     packages=setuptools.find_packages(include=["t5x_like", "t5x_like.*"]) + ["t5x_like.configs"],
     package_dir={"t5x_like.configs": "configs"},
-    package_data={"t5x_like.configs": ["**/*.gin"], "t5x_like.inference": ["static/*.html"]},
+    package_data={"t5x_like.configs": ["**/*.gin", "tasks/*.yaml", "tasks/*.jsonl"], "t5x_like.inference": ["static/*.html"]},
     python_requires=">=3.11",
     # Lower bounds verified together on Python 3.11 (CPU): jax 0.10.2, flax 0.12.8, optax 0.2.8,
     # orbax-checkpoint 0.12.8, tensorflow-cpu 2.21.0, clu 0.0.12, sentencepiece 0.2.3, etils 1.15.
@@ -45,12 +45,13 @@ setuptools.setup(
         "wandb": ["wandb>=0.16"],  # ObserveConfig.trackers has 'wandb'
         # python -m t5x_like.serve: the ASGI app (Starlette), its server (uvicorn) and /metrics
         "serve": SERVE,
+        "eval": ["lm-eval>=0.4.13"],  # python -m t5x_like.evaluate --tasks=...: lm-evaluation-harness tasks and metrics
         # Hugging Face transformers (on torch): the reference tests/test_interop.py compares conversions with.
         # torch is pinned: that CPU wheel is on the CI machine's disk; an unpinned torch pulls a multi-GB CUDA build.
         "hf": HF,
         # Everything the tests exercise, Beam and transformers included.
         "test": ["pytest>=8.0", "pytest-xdist>=3.5", "apache-beam>=2.60", "matplotlib>=3.8", "prometheus_client>=0.20",
-                 "mlflow-skinny>=2.10", "openai>=1.40"]  # openai: the real client tests/test_serve.py calls the server with
+                 "mlflow-skinny>=2.10", "openai>=1.40", "lm-eval>=0.4.13"]  # openai: the real client tests/test_serve.py calls the server with
                 + SERVE + HF,
     },
 )

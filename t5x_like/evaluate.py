@@ -3,6 +3,9 @@
 `--generate --prompt_file=IN.jsonl`: answer each conversation greedily and score it against its reference (the
 final assistant turn, or `completion`): exact match, and the teacher-forced loss on the references
 (inference/chat_eval.py: the engine generates, the language-model objective scores). The report is one JSON object (stdout, and --output_file).
+
+`--tasks=NAME[,NAME] [--task_dir=DIR] [--num_fewshot=K] [--limit=N] [--output_file=results.json]`: lm-evaluation-harness
+tasks with lm-eval's own metrics (evaluation/; docs/evaluation.md); prints lm-eval's table, writes its results JSON.
 """
 
 import dataclasses
@@ -15,6 +18,9 @@ from t5x_like import files
 from t5x_like.data import chat
 from t5x_like.data import tokenizer
 from t5x_like.model import decoder as model
+from t5x_like.evaluation import harness
+from t5x_like.evaluation import runs
+from t5x_like.evaluation import tasks as lm_tasks
 from t5x_like.inference import chat_eval
 from t5x_like.training import optimizer
 from t5x_like.training.objectives import language_model
@@ -33,7 +39,14 @@ flags.DEFINE_string("prompt_file", None, "--generate: JSON lines, each a convers
 flags.DEFINE_integer("batch_size", 16, "--generate: conversations generated (and scored) at once.")
 flags.DEFINE_integer("max_new_tokens", None, "--generate: tokens generated per answer (default: the longest "
                      "reference's + 1, so a right answer is never cut).")
-flags.DEFINE_string("output_file", None, "--generate: also write the JSON report here.")
+flags.DEFINE_string("output_file", None, "--generate / --tasks: also write the JSON report (lm-eval's results JSON) "
+                    "here.")
+flags.DEFINE_list("tasks", [], "lm-eval tasks to run (NAME[,NAME]): from --task_dir, else lm-eval's own "
+                  "(docs/evaluation.md); the shipped ones are in configs/tasks.")
+flags.DEFINE_string("task_dir", None, "--tasks: a folder of lm-eval task YAMLs over local data files "
+                    "(default: configs/tasks).")
+flags.DEFINE_integer("num_fewshot", None, "--tasks: few-shot examples per prompt (default: each task's own).")
+flags.DEFINE_integer("limit", None, "--tasks: evaluate only the first N documents of each task.")
 FLAGS = flags.FLAGS
 
 
@@ -63,11 +76,33 @@ def generate_main(exp: experiment.Experiment) -> None:
     files.write_atomic(FLAGS.output_file, text + "\n")
 
 
+def tasks_main(config) -> None:
+  """--tasks: lm-eval's tasks and metrics on the checkpoint; its table on stdout, its results JSON."""
+  task_dir = FLAGS.task_dir or lm_tasks.shipped_task_dir()
+  if FLAGS.num_fewshot is not None and FLAGS.num_fewshot < 0:
+    raise ValueError(f"--num_fewshot must be >= 0, got {FLAGS.num_fewshot}")
+  if FLAGS.limit is not None and FLAGS.limit < 1:
+    raise ValueError(f"--limit must be >= 1, got {FLAGS.limit}")
+  manager = lm_tasks.task_manager(FLAGS.tasks, task_dir)
+  lm_tasks.load_tasks(FLAGS.tasks, manager, FLAGS.num_fewshot)  # before the model is restored
+  run = runs.run_from_config(config, gin_utils.configured(model.GPTConfig, "model"), step=FLAGS.step,
+                             tokenizer=FLAGS.tokenizer)
+  results = harness.evaluate(run, FLAGS.tasks, manager, num_fewshot=FLAGS.num_fewshot, limit=FLAGS.limit,
+                             batch_size=FLAGS.batch_size)
+  print(f"step {run.step}", flush=True)
+  print(harness.table(results), flush=True)
+  if FLAGS.output_file:
+    files.write_atomic(FLAGS.output_file, json.dumps(harness.results_json(results), indent=2, default=str) + "\n")
+
+
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments {argv[1:]}")
   gin_utils.parse_gin_flags()
   config = gin_utils.train_config()
+  if FLAGS.tasks:
+    tasks_main(config)
+    return
   if FLAGS.eval_batches is not None:
     if FLAGS.eval_batches < 0:
       raise ValueError(f"--eval_batches must be >= 0, got {FLAGS.eval_batches}")

@@ -26,6 +26,7 @@ ALLOWED = {
     "inference": {"training", "observe", "model", "data", "parallel"},
     "posttrain": {"inference", "training", "observe", "model", "data", "parallel"},
     "recipes": {"posttrain", "inference", "training", "observe", "model", "data", "parallel"},
+    "evaluation": {"cli", "recipes", "posttrain", "inference", "training", "observe", "model", "data", "parallel"},
     "planning": {"training", "observe", "model", "parallel"},
     "interop": {"posttrain", "training", "model", "data", "parallel"},
     "cli": {"recipes", "posttrain", "inference", "training", "model", "observe", "data", "parallel"},

@@ -1,0 +1,138 @@
+"""lm-evaluation-harness on the engine: log-likelihoods equal transformers' on the same exported model, lm-eval's
+tasks and metrics through `evaluate --tasks`, and bad tasks as one-line errors before any model loads."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+lm_eval = pytest.importorskip("lm_eval")
+from lm_eval.api.model import TemplateLM  # pylint: disable=g-import-not-at-top
+
+from t5x_like.evaluation import harness  # pylint: disable=g-import-not-at-top
+from t5x_like.evaluation import runs  # pylint: disable=g-import-not-at-top
+from t5x_like.evaluation import tasks as lm_tasks  # pylint: disable=g-import-not-at-top
+from tests.hf_reference import hf_models, imported, tokenizer  # pylint: disable=g-import-not-at-top,unused-import
+from tests.test_fault_tolerance import REPO, launch_args, launch_env  # pylint: disable=g-import-not-at-top
+
+WORDS = ["the quick brown fox", "jumps over the lazy dog;", "hello world, hello there.", "the lazy fox"]
+
+
+def _mc_task(folder, items=12, seed=0):
+  """A multiple-choice task over the hf_reference tokenizer's text: which ending follows the context."""
+  rng = np.random.default_rng(seed)
+  os.makedirs(folder, exist_ok=True)
+  with open(os.path.join(folder, "ends.jsonl"), "w") as f:
+    for _ in range(items):
+      context = " ".join(rng.choice(WORDS, 2))
+      f.write(json.dumps({"context": context, "choices": [" " + w for w in WORDS], "label": int(rng.integers(4))})
+              + "\n")
+  with open(os.path.join(folder, "ends.yaml"), "w") as f:
+    f.write("task: ends\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: ends.jsonl\n"
+            "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{context}}'\n"
+            "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\ntarget_delimiter: ''\n"
+            "metric_list:\n  - metric: acc\n")
+  return folder
+
+
+class HFReference(TemplateLM):
+  """lm-eval's log-likelihoods straight from a transformers model, on the same token ids as ours."""
+
+  def __init__(self, model, ours):
+    super().__init__()
+    self.model, self.ours = model, ours
+
+  eot_token_id = property(lambda self: self.ours.eot_token_id)
+  tok_encode = lambda self, string, **kwargs: self.ours.tok_encode(string)
+
+  def _loglikelihood_tokens(self, requests, **kwargs):
+    out = []
+    for _, context, continuation in requests:
+      ids = torch.tensor([list(context) + list(continuation)])
+      with torch.no_grad():
+        logp = torch.log_softmax(self.model(ids).logits[0].double(), -1).numpy()
+      targets = ids[0, len(context):].numpy()
+      rows = logp[len(context) - 1:len(context) - 1 + len(targets)]
+      out.append((float(rows[np.arange(len(targets)), targets].sum()),
+                  bool((rows.argmax(-1) == targets).all())))
+    return out
+
+  def loglikelihood_rolling(self, requests, disable_tqdm=False):
+    raise NotImplementedError
+
+  def generate_until(self, requests, disable_tqdm=False):
+    raise NotImplementedError
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])
+def test_loglikelihoods_and_accuracy_equal_transformers(name, hf_models, imported, tmp_path):
+  model_dir = imported[name][0]
+  run = runs.open_run(model_dir, gin_files=[os.path.join(model_dir, "model.gin")],
+                      bindings=["model.GPTConfig.dtype = 'float32'"])
+  ours = harness.T5xLikeLM(run=run, batch_size=4)
+  reference = HFReference(hf_models[name][0], ours)
+  manager = lm_tasks.task_manager(["ends"], _mc_task(str(tmp_path / "tasks")))
+  got = lm_eval.simple_evaluate(model=ours, tasks=["ends"], task_manager=manager, log_samples=True,
+                                bootstrap_iters=0)
+  want = lm_eval.simple_evaluate(model=reference, tasks=["ends"], task_manager=manager, log_samples=True,
+                                 bootstrap_iters=0)
+  ours_ll = [r[0][0] for s in got["samples"]["ends"] for r in s["resps"]]
+  ref_ll = [r[0][0] for s in want["samples"]["ends"] for r in s["resps"]]
+  assert len(ours_ll) == 12 * 4
+  np.testing.assert_allclose(ours_ll, ref_ll, atol=1e-4)
+  assert len(set(np.round(ref_ll, 3))) > 4  # the choices really differ
+  assert got["results"]["ends"]["acc,none"] == want["results"]["ends"]["acc,none"]
+
+
+def test_unknown_task_empty_folder_missing_field_and_too_many_shots_are_one_line_errors(tmp_path):
+  folder = _mc_task(str(tmp_path / "tasks"), items=3)
+  with pytest.raises(ValueError, match=r"unknown task 'nope': not in --task_dir=") as e:
+    lm_tasks.task_manager(["nope"], folder)
+  assert "\n" not in str(e.value)
+  os.makedirs(tmp_path / "empty")
+  with pytest.raises(ValueError, match=r"holds no task YAML"):
+    lm_tasks.task_manager(["ends"], str(tmp_path / "empty"))
+  manager = lm_tasks.task_manager(["ends"], folder)
+  with pytest.raises(ValueError, match=r"task 'ends' \(.*ends.jsonl\): --num_fewshot=5 but the data holds only 2"):
+    lm_tasks.load_tasks(["ends"], manager, num_fewshot=5)
+  lm_tasks.load_tasks(["ends"], manager, num_fewshot=2)
+  with open(os.path.join(folder, "ends.jsonl")) as f:
+    text = f.read().replace('"choices"', '"options"', 1)
+  with open(os.path.join(folder, "ends.jsonl"), "w") as f:
+    f.write(text)
+  with pytest.raises(ValueError, match=r"task 'ends' \(.*ends.jsonl\): document 0 lacks the field 'choices'") as e:
+    lm_tasks.load_tasks(["ends"], lm_tasks.task_manager(["ends"], folder))
+  assert "ends" in str(e.value) and "\n" not in str(e.value)
+  os.remove(os.path.join(folder, "ends.jsonl"))
+  with pytest.raises(ValueError, match=r"task 'ends': data file .*ends.jsonl does not exist"):
+    lm_tasks.task_manager(["ends"], folder)
+
+
+@pytest.mark.slow  # a short training launch and two evaluate launches
+def test_evaluate_tasks_cli_runs_the_shipped_tasks_and_writes_lm_evals_results(corpus, tmp_path):
+  model_dir = str(tmp_path / "run")
+  assert subprocess.run(launch_args(model_dir, corpus, 2) + ["--gin.model.GPTConfig.max_len=128"], cwd=REPO,
+                        env=launch_env(), capture_output=True, timeout=300).returncode == 0
+  base = [sys.executable, "-m", "t5x_like.evaluate", f"--gin_file={model_dir}/config.gin"]
+  out = str(tmp_path / "results.json")
+  done = subprocess.run(base + ["--tasks=pystdlib_next_line,pystdlib_cloze,copy_digits", "--limit=4",
+                                f"--output_file={out}"], cwd=REPO, env=launch_env(), capture_output=True,
+                        text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "|pystdlib_next_line|" in done.stdout and "exact_match" in done.stdout
+  results = json.load(open(out))["results"]
+  assert set(results) == {"pystdlib_next_line", "pystdlib_cloze", "copy_digits"}
+  assert results["pystdlib_next_line"]["sample_len"] == 4 and 0 <= results["pystdlib_next_line"]["acc,none"] <= 1
+  assert results["copy_digits"]["exact_match,none"] >= 0 and results["pystdlib_cloze"]["perplexity,none"] > 1
+  shutil.copytree(lm_tasks.shipped_task_dir(), tmp_path / "tasks")
+  done = subprocess.run(base + ["--tasks=copy_digits", "--num_fewshot=50", f"--task_dir={tmp_path / 'tasks'}"],
+                        cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines()[-1].startswith("error: task 'copy_digits'"), done.stderr[-2000:]
+  assert "--num_fewshot=50 but the data holds only 20" in done.stderr
