@@ -25,16 +25,17 @@ import tensorflow as tf
 
 from t5x_like.model import decoder as model_lib
 from t5x_like.training import checkpointing
+from t5x_like.training import logprobs
 from t5x_like.training.objectives import language_model
 
 TEACHER = "teacher"  # the frozen teacher's key in `frozen`
 MODEL_CONFIG_FILES = ("model.gin", "config.gin")  # a converted checkpoint's model.gin, a run's operative config
 # GPTConfig fields that fix execution, not the function: taken from this run's config, never the teacher's file.
 EXECUTION_FIELDS = ("dtype", "remat_policy", "scan_unroll", "attention_impl", "num_stages",
-                    "pipeline_microbatches", "pipeline_repeats")
+                    "pipeline_microbatches", "pipeline_repeats", "lora_dropout")
 # Former GPTConfig fields an older run's config.gin may still bind: skipped (the score head is model/heads.py's
-# ScoredGPT, LoRA dropout is posttrain/lora.py's).
-RETIRED_FIELDS = ("score_head", "lora_dropout")
+# ScoredGPT).
+RETIRED_FIELDS = ("score_head",)
 _BINDING = re.compile(r"^(?:[\w.]+\.)?GPTConfig\.(\w+)\s*=\s*(.+)$")
 _MACRO = re.compile(r"^([A-Z][A-Z0-9_]*)\s*=\s*(.+)$")
 
@@ -60,20 +61,12 @@ def chunked_kl_ce_sums(student_logits_fn: Callable, teacher_logits_fn: Callable,
   """kl_ce_sums over chunks of `chunk` positions: each chunk's student and teacher logits are made from the
   hidden states (B, L, D) and (B, L, D_teacher), reduced and dropped, and recomputed in the backward pass.
   L % chunk == 0."""
-  b, length, _ = hidden.shape
-  n = length // chunk
-  split = lambda x: jnp.swapaxes(x.reshape((b, n, chunk) + x.shape[2:]), 0, 1)  # (n, B, chunk, ...)
 
   @jax.checkpoint
   def one(h, th, t, w):
     return kl_ce_sums(student_logits_fn(h), teacher_logits_fn(th), t, w, temperature)
 
-  def body(carry, xs):
-    return tuple(c + s for c, s in zip(carry, one(*xs))), None
-
-  zero = jnp.zeros((), jnp.float32)
-  xs = (split(hidden), split(teacher_hidden), split(targets), split(weights))
-  return jax.lax.scan(body, (zero, zero, zero), xs)[0]
+  return logprobs.chunked_sums(one, chunk, hidden, teacher_hidden, targets, weights)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,18 +21,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from t5x_like.training.objectives import language_model
 from t5x_like.posttrain import preference
+from t5x_like.training import logprobs
+from t5x_like.training.objectives import language_model
 
 REFERENCE = preference.REFERENCE  # the frozen reference model's key in `frozen`, as for DPO
 FEATURES = language_model.FEATURES + ("advantages", "old_logps")
 ON_POLICY_FEATURES = language_model.FEATURES + ("advantages",)
-
-
-def policy_logps(apply_fn: Callable, params, batch) -> jax.Array:
-  """log π(target) per position, float32 (B, L)."""
-  logits = apply_fn({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"])
-  return preference.token_logps(logits, batch["targets"])
 
 
 def token_losses(logps, old_logps, ref_logps, advantages, clip_epsilon: float, beta: float):
@@ -82,13 +77,13 @@ class Grpo:
     return self.beta > 0
 
   def loss(self, params, batch, frozen):
-    logps = policy_logps(self.apply_fn, params, batch)
+    logps = logprobs.model_token_logps(self.apply_fn, params, batch)
     ref = None
     if self.needs_reference:
       if REFERENCE not in frozen:
         raise ValueError(f"GRPO with a KL term (beta={self.beta}) needs the frozen model '{REFERENCE}' "
                          "(REFERENCE_CHECKPOINT_PATH)")
-      ref = jax.lax.stop_gradient(policy_logps(self.apply_fn, frozen[REFERENCE], batch))
+      ref = jax.lax.stop_gradient(logprobs.model_token_logps(self.apply_fn, frozen[REFERENCE], batch))
     weights = batch["weights"].astype(jnp.float32)
     old = jax.lax.stop_gradient(logps) if self.on_policy else batch["old_logps"].astype(jnp.float32)
     losses, kl, clipped = token_losses(logps, old, ref,

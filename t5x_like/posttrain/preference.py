@@ -22,6 +22,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from t5x_like.training import logprobs
 from t5x_like.training.objectives import language_model
 
 REFERENCE = "reference"  # the frozen reference model's key in `frozen`
@@ -29,29 +30,10 @@ LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 REFERENCE_FREE = ("simpo",)
 
 
-def token_logps(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """log softmax(logits)[target] per position, float32 (B, L); a one-hot contraction (vocab-shardable)."""
-  logits = logits.astype(jnp.float32)
-  log_z = jax.nn.logsumexp(logits, axis=-1)
-  target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
-  return target_logit - log_z
-
-
-def pair_sums(values: jax.Array, segment_ids: jax.Array, max_pairs: int):
-  """Σ of `values` (B, L) over each row's chosen and rejected segments: two (B, max_pairs) arrays.
-
-  Segment s > 0 belongs to pair (s − 1) // 2, chosen when s is odd; segment 0 (padding) to none.
-  """
-  slots = jax.nn.one_hot(segment_ids - 1, 2 * max_pairs, dtype=jnp.float32)  # (B, L, 2P); segment 0 → zeros
-  sums = jnp.einsum("bl,bls->bs", values.astype(jnp.float32), slots)
-  return sums[:, 0::2], sums[:, 1::2]
-
-
 def sequence_logps(apply_fn: Callable, params, batch, max_pairs: int):
   """(Σ log π over chosen responses, over rejected ones), each (B, max_pairs)."""
-  logits = apply_fn({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"])
-  weighted = token_logps(logits, batch["targets"]) * batch["weights"].astype(jnp.float32)
-  return pair_sums(weighted, batch["segment_ids"], max_pairs)
+  weighted = logprobs.model_token_logps(apply_fn, params, batch) * batch["weights"].astype(jnp.float32)
+  return logprobs.pair_sums(weighted, batch["segment_ids"], max_pairs)
 
 
 def pair_losses(loss_type: str, beta: float, gamma: float, policy, reference, lengths):
@@ -70,11 +52,6 @@ def pair_losses(loss_type: str, beta: float, gamma: float, policy, reference, le
   if loss_type == "ipo":
     return jnp.square(qc - qr - 1.0 / (2.0 * beta)), rc, rr
   raise ValueError(f"preference loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-
-
-def _above(a, b):
-  """1 where a > b, 1/2 where equal, 0 below."""
-  return jnp.where(a > b, 1.0, jnp.where(a == b, 0.5, 0.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +87,7 @@ class Preference:
 
   def loss(self, params, batch, frozen):
     policy = sequence_logps(self.apply_fn, params, batch, self.max_pairs)
-    lengths = pair_sums(batch["weights"], batch["segment_ids"], self.max_pairs)
+    lengths = logprobs.pair_sums(batch["weights"], batch["segment_ids"], self.max_pairs)
     reference = None
     if self.needs_reference:
       if REFERENCE not in frozen:
@@ -123,8 +100,8 @@ class Preference:
     total = lambda x: jnp.sum(x * valid)
     metrics = {
         "rewards/chosen": total(rc), "rewards/rejected": total(rr), "rewards/margin": total(rc - rr),
-        "rewards/accuracy": total(_above(rc, rr)),
+        "rewards/accuracy": total(logprobs.above(rc, rr)),
         "logps/chosen": total(policy[0]), "logps/rejected": total(policy[1]),
-        "logps/accuracy": total(_above(policy[0], policy[1])),
+        "logps/accuracy": total(logprobs.above(policy[0], policy[1])),
     }
     return total(losses), jnp.sum(valid), metrics

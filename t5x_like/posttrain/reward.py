@@ -20,29 +20,31 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from t5x_like.training import logprobs
+
 FEATURES = ("inputs", "segment_ids", "positions", "weights")
 
 
-def read_positions(weights: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
-  """(B, num_segments) index of the position each segment s = 1.. is read at, −1 where a row has no segment s.
+def read_positions(weights: jax.Array, segment_ids: jax.Array, max_pairs: int) -> jax.Array:
+  """(B, 2·max_pairs) index of the position each segment s = 1.. is read at, −1 where a row has no segment s.
 
   Position j is read for segment s when its input is the last token of s that carries loss weight (a weight
   on position j − 1, whose target is input j): the last such position of the segment.
   """
   length = weights.shape[1]
   learned_input = jnp.pad(weights[:, :-1] > 0, ((0, 0), (1, 0)))  # (B, L): input j was target j − 1, learned
-  slots = jax.nn.one_hot(segment_ids - 1, num_segments, dtype=jnp.bool_)  # (B, L, S); segment 0 → none
+  slots = logprobs.pair_slots(segment_ids, max_pairs, dtype=jnp.bool_)  # (B, L, 2P); segment 0 → none
   index = jnp.arange(length, dtype=jnp.int32)[None, :, None]
   return jnp.max(jnp.where(learned_input[..., None] & slots, index, -1), axis=1)  # (B, S)
 
 
 def segment_rewards(scores: jax.Array, weights: jax.Array, segment_ids: jax.Array, max_pairs: int):
   """(chosen rewards, rejected rewards, pair present), each (B, max_pairs), from per-position scores (B, L)."""
-  read = read_positions(weights, segment_ids, 2 * max_pairs)  # (B, 2P)
+  read = read_positions(weights, segment_ids, max_pairs)  # (B, 2P)
   select = (jnp.arange(scores.shape[1])[None, :, None] == read[:, None, :]).astype(jnp.float32)  # (B, L, 2P)
   rewards = jnp.einsum("bl,bls->bs", scores.astype(jnp.float32), select)
-  present = read >= 0
-  return rewards[:, 0::2], rewards[:, 1::2], (present[:, 0::2] & present[:, 1::2]).astype(jnp.float32)
+  chosen_read, rejected_read = logprobs.chosen_rejected(read >= 0)
+  return (*logprobs.chosen_rejected(rewards), (chosen_read & rejected_read).astype(jnp.float32))
 
 
 def bradley_terry(chosen: jax.Array, rejected: jax.Array) -> jax.Array:
@@ -82,5 +84,5 @@ class Reward:
     total = lambda x: jnp.sum(x * valid)
     metrics = {"rewards/chosen": total(chosen), "rewards/rejected": total(rejected),
                "rewards/margin": total(chosen - rejected),
-               "rewards/accuracy": total(jnp.where(chosen > rejected, 1.0, jnp.where(chosen == rejected, 0.5, 0.0)))}
+               "rewards/accuracy": total(logprobs.above(chosen, rejected))}
     return total(bradley_terry(chosen, rejected)), jnp.sum(valid), metrics

@@ -20,6 +20,7 @@ Built in:
 import re
 from typing import Callable, Dict, Sequence
 
+from t5x_like.inference import chat_eval
 from t5x_like.posttrain import reward_scoring
 
 RewardFn = Callable[..., Sequence[float]]
@@ -55,7 +56,7 @@ def get(name: str) -> RewardFn:
 @register("exact_match")
 def exact_match(completions, references, prompts, *, config=None):
   del prompts, config
-  return [float(c.strip() == r.strip()) for c, r in zip(completions, references)]
+  return [float(chat_eval.exact_match(c, r)) for c, r in zip(completions, references)]
 
 
 @register("format")

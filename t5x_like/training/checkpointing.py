@@ -22,6 +22,7 @@ import tensorflow as tf
 import t5x_like
 from t5x_like import errors
 from t5x_like.data import input_pipeline
+from t5x_like.training.trainable import path_name
 
 STATE, DATA_ITER, METADATA = "state", "data_iter", "metadata"
 CORRUPT_DIR = "checkpoints.corrupt"  # unreadable steps are moved here (MODEL_DIR/checkpoints.corrupt/<step>-<time>)
@@ -402,11 +403,6 @@ def restore_newest_params(model_dir: str, abstract_params, step: Optional[int] =
                       errors.first_line(e, with_type=True))
   raise FileNotFoundError(f"no readable checkpoint in {checkpoint_dir(model_dir)}"
                           + (f" at step {step}" if step is not None else ""))
-
-
-def path_name(path) -> str:
-  """'blocks/attn/qkv/kernel' for a jax key path (jax.tree_util.keystr)."""
-  return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def host_array(x) -> np.ndarray:

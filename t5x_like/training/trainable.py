@@ -7,16 +7,18 @@ leaves alone, so frozen leaves get no AdamW moments and no gradient buffers.
 """
 
 import re
-from typing import Any, Dict, Tuple
+from typing import Any, Dict
 
 import flax
+import jax
 
 Params = Dict[str, Any]
 
 
-def path_name(path: Tuple[str, ...]) -> str:
-  """('blocks', 'attn', 'qkv', 'kernel') → 'blocks/attn/qkv/kernel' (flatten_dict keys are plain strings)."""
-  return "/".join(path)
+def path_name(path) -> str:
+  """'blocks/attn/qkv/kernel' for a parameter path: a flatten_dict key ('blocks', 'attn', 'qkv', 'kernel') or
+  a jax key path (jax.tree_util.tree_flatten_with_path)."""
+  return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def _flat(params: Params) -> dict:

@@ -9,21 +9,18 @@ import jax.numpy as jnp
 
 from t5x_like.model import decoder as model_lib
 from t5x_like.model import moe
+from t5x_like.training import logprobs
 
 FEATURES = ("inputs", "targets", "segment_ids", "positions", "weights")
 
 
 def cross_entropy_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array):
-  """(Σ weight·CE, Σ weight) in float32. logits: (B, L, V) float32, possibly vocab-sharded.
+  """(Σ weight·CE, Σ weight) in float32, CE = −log softmax(logits)[target] (logprobs.token_logps).
 
-  The target logit is picked with a one-hot contraction, which XLA fuses and which stays a local
-  reduction plus one all-reduce when the vocabulary is sharded (no gather of the logits).
+  logits: (B, L, V), possibly vocab-sharded; targets, weights: (B, L).
   """
-  logits = logits.astype(jnp.float32)
-  log_z = jax.nn.logsumexp(logits, axis=-1)  # (B, L)
-  target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
   weights = weights.astype(jnp.float32)
-  return jnp.sum((log_z - target_logit) * weights), jnp.sum(weights)
+  return jnp.sum(-logprobs.token_logps(logits, targets) * weights), jnp.sum(weights)
 
 
 # The parameters an output projection reads (decoder.project_logits): the tied embedding or the untied head.
@@ -54,9 +51,6 @@ def chunked_cross_entropy_sums(logits_fn: Callable, head: dict, hidden: jax.Arra
   Returns:
     (Σ weight·CE, Σ weight) float32, differentiable in `head` and `hidden`.
   """
-  b, length, _ = hidden.shape
-  n = length // chunk
-  split = lambda x: jnp.swapaxes(x.reshape((b, n, chunk) + x.shape[2:]), 0, 1)  # (n, B, chunk, ...)
   zero = jnp.zeros((), jnp.float32)
   hidden_dtype = hidden.dtype
 
@@ -65,10 +59,7 @@ def chunked_cross_entropy_sums(logits_fn: Callable, head: dict, hidden: jax.Arra
 
   @jax.custom_vjp
   def sums(hd, h, t, w):
-    def body(carry, xs):
-      loss, weight = chunk_sums(hd, *xs)
-      return (carry[0] + loss, carry[1] + weight), None
-    return jax.lax.scan(body, (zero, zero), (split(h), split(t), split(w)))[0]
+    return logprobs.chunked_sums(lambda *xs: chunk_sums(hd, *xs), chunk, h, t, w)
 
   def forward(hd, h, t, w):
     def body(carry, xs):
@@ -81,8 +72,9 @@ def chunked_cross_entropy_sums(logits_fn: Callable, head: dict, hidden: jax.Arra
       return (loss_sum + loss, weight_sum + weight, jax.tree.map(jnp.add, head_grad, d_head)), d_hidden
 
     init = (zero, zero, jax.tree.map(jnp.zeros_like, hd))
-    (loss_sum, weight_sum, head_grad), d_hidden = jax.lax.scan(body, init, (split(h), split(t), split(w)))
-    d_hidden = jnp.swapaxes(d_hidden, 0, 1).reshape(h.shape)
+    xs = tuple(logprobs.chunks(x, chunk) for x in (h, t, w))  # (n, B, chunk, ...)
+    (loss_sum, weight_sum, head_grad), d_hidden = jax.lax.scan(body, init, xs)
+    d_hidden = logprobs.unchunk(d_hidden)  # (B, L, D)
     return (loss_sum, weight_sum), (head_grad, d_hidden)
 
   def backward(residuals, cotangents):
