@@ -14,8 +14,7 @@ from t5x_like import files
 from t5x_like.data import chat
 from t5x_like.model import decoder as model
 from t5x_like.inference import chat_eval
-from t5x_like.inference.engine import Engine
-from t5x_like.inference.sampling import SamplingParams
+from t5x_like.inference import text
 from t5x_like.training import runtime as runtime_lib
 
 FLAGS = flags.FLAGS
@@ -78,26 +77,6 @@ def chat_main(exp: runtime_lib.Runtime) -> None:
     sys.stdout.flush()
 
 
-def sample(exp, prompts: list) -> tuple:
-  """(checkpoint step, continuation text of each prompt) from the engine: --batch_size slots, stopped at EOS."""
-  tok = exp.load_tokenizer(FLAGS.tokenizer)
-  encoded = [tok.encode(p) for p in prompts]
-  longest = max(len(e) for e in encoded) + FLAGS.max_new_tokens
-  if longest > exp.model_config.max_len:
-    raise ValueError(f"prompt + --max_new_tokens = {longest} tokens exceeds the model's "
-                     f"max_len={exp.model_config.max_len}")
-  if FLAGS.batch_size < 1:
-    raise ValueError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
-  sampling = SamplingParams(max_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
-                            top_p=FLAGS.top_p, stop_token_ids=(tok.eos_id,))
-  with exp.context():
-    step, params = exp.restore_params(FLAGS.step)
-    engine = Engine(exp.model_config, params, exp.mesh, exp.rules, slots=FLAGS.batch_size, pad_id=tok.pad_id,
-                    seed=FLAGS.seed)
-    out = engine.generate(encoded, sampling)
-  return step, [tok.decode([t for t in c.tokens if t != tok.eos_id]) for [c] in out]
-
-
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments {argv[1:]}")
@@ -113,7 +92,9 @@ def main(argv):
       prompts += [line.rstrip("\n") for line in f if line.strip()]
   if not prompts:
     raise ValueError("no prompt: pass --prompt='...' (repeatable) or --prompt_file=FILE")
-  step, continuations = sample(exp, prompts)
+  step, continuations = text.sample(exp, prompts, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+                                    top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed, step=FLAGS.step,
+                                    tokenizer=FLAGS.tokenizer, batch_size=FLAGS.batch_size)
   print(f"# checkpoint step {step}", flush=True)
   for i, (prompt, text) in enumerate(zip(prompts, continuations)):
     if len(prompts) > 1:  # a continuation may span lines: mark where each sample starts

@@ -22,11 +22,12 @@ from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.data import tokenizer_formats
 from t5x_like.data.text_cleaning import CleaningConfig
 from t5x_like.model import decoder as model_lib
-from t5x_like.model import decoding
+from t5x_like.inference import text
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
 from t5x_like.training import experiment as experiment_lib
 from t5x_like.training import optimizer as optimizer_lib
+from tests.decode_reference import generate_by_recompute
 
 CODE = ('import os\n\n\nclass Reader:\n    """Reads a file."""\n\n    def __init__(self, path):\n'
         '        self.path = path  # keep it\n\n    def read(self):\n\tif not self.path:\n\t\treturn ""\n'
@@ -331,14 +332,14 @@ def test_sample_without_a_data_dir_uses_the_given_tokenizer(llama3_dir, gpt2_dir
   checkpointing.save(manager, 0, {"params": params})
   manager.close()
   with pytest.raises(ValueError, match="no tokenizer to encode the prompts"):
-    exp.sample(["x"], max_new_tokens=2)
+    text.sample(exp, ["x"], max_new_tokens=2)
   prompt = "def read(self):\n    return"
-  step, texts = exp.sample([prompt], max_new_tokens=2, tokenizer=llama3_dir)
-  greedy = decoding.generate_by_recompute(params, np.array([tok.encode(prompt)]), config=exp.model_config,
+  step, texts = text.sample(exp, [prompt], max_new_tokens=2, tokenizer=llama3_dir)
+  greedy = generate_by_recompute(params, np.array([tok.encode(prompt)]), config=exp.model_config,
                                           max_new_tokens=2)
   assert step == 0 and texts == [tok.decode(np.asarray(greedy)[0])]
   gpt2 = tokenizer_lib.load(gpt2_dir)  # its pad id needs a row past its vocabulary
   exp.model_config = dataclasses.replace(exp.model_config, vocab_size=gpt2.vocab_size)
   with pytest.raises(ValueError, match=f"tokenizer.json' has {gpt2.vocab_size} ids .pad id {gpt2.vocab_size}. but the "
                      f"model's vocabulary has {gpt2.vocab_size} rows"):
-    exp.sample([prompt], max_new_tokens=1, tokenizer=gpt2_dir)
+    text.sample(exp, [prompt], max_new_tokens=1, tokenizer=gpt2_dir)
