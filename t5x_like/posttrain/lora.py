@@ -41,6 +41,7 @@ import numpy as np
 
 from t5x_like.parallel import axis_names as ax
 from t5x_like.training import checkpointing
+from t5x_like.training.trainable import path_name
 
 BASE = "lora_base"  # the frozen base model's key in the objective's `frozen`
 A, B = "lora_a", "lora_b"  # adapter leaf names under their kernel's path
@@ -48,7 +49,6 @@ A, B = "lora_a", "lora_b"  # adapter leaf names under their kernel's path
 Params = Dict[str, Any]
 
 
-from t5x_like.training.trainable import path_name
 # LoRA's default targets: the attention projections (fused qkv, or query + key_value under GQA) and out,
 # and the MLP's input (and SwiGLU gate) and output kernels.
 LORA_TARGETS = r"blocks/attn/(qkv|query|key_value|out)/kernel|blocks/mlp_(in|gate|out)/kernel"
