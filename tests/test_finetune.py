@@ -166,7 +166,7 @@ def test_regex_matching_nothing_is_a_one_line_error(corpus, tmp_path):
   with pytest.raises(ValueError, match=r"LoraConfig.dropout=1.0 must be in \[0, 1\)"):
     lora.LoraConfig(rank=4, dropout=1.0)
   with pytest.raises(ValueError, match="LoraConfig.dropout=0.1 with 2 pipeline stages"):
-    dataclasses.replace(TINY, lora_dropout=0.1, num_stages=2).validate()
+    lora.validate(lora.LoraConfig(rank=4, dropout=0.1), dataclasses.replace(TINY, num_stages=2))
 
 
 # ----------------------------------------------------------------------------------------------------

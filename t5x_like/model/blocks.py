@@ -12,6 +12,8 @@ from t5x_like.model import moe
 from t5x_like.model.config import GPTConfig
 from t5x_like.parallel import axis_names as ax
 
+DROPOUT_RNG = "dropout"  # the rng stream a caller gives `apply` for dropout inside the blocks (e.g. LoRA's)
+
 
 class Attention(nn.Module):
   """Causal self-attention, multi-head or grouped-query, with optional rotary positions and KV cache."""
@@ -21,8 +23,7 @@ class Attention(nn.Module):
   def __call__(self, x, mask, positions=None, cache=None, cache_index=None):
     cfg = self.config
     d, h, kvh, dh = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_dim
-    dense = functools.partial(layers.DenseGeneral, dtype=cfg.compute_dtype, use_bias=cfg.use_bias,
-                              lora_dropout=cfg.lora_dropout)
+    dense = functools.partial(layers.DenseGeneral, dtype=cfg.compute_dtype, use_bias=cfg.use_bias)
     if cfg.fused_qkv:
       qkv = dense((d,), (3, h, dh), (ax.EMBED, None, ax.HEADS, ax.KV), (None, ax.HEADS, ax.KV), name="qkv")(x)
       qkv = layers.constrain(qkv, (ax.BATCH, ax.LENGTH, None, ax.ACT_HEADS, ax.KV))  # (B, T, 3, H, Dh)
@@ -72,8 +73,7 @@ class Block(nn.Module):
     """Returns (x, new cache or None, the MoE layer's (per-token stats, load) or None)."""
     cfg = self.config
     norm = functools.partial(layers.norm_layer(cfg.norm), dtype=cfg.compute_dtype, epsilon=cfg.layer_norm_epsilon)
-    dense = functools.partial(layers.DenseGeneral, dtype=cfg.compute_dtype, use_bias=cfg.use_bias,
-                              lora_dropout=cfg.lora_dropout)
+    dense = functools.partial(layers.DenseGeneral, dtype=cfg.compute_dtype, use_bias=cfg.use_bias)
     act_names = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
     x = layers.constrain(x, act_names)
     attn, new_cache = Attention(cfg, name="attn")(norm(name="ln_1")(x), mask, positions, cache, cache_index)
@@ -134,11 +134,12 @@ def remat_policy(name: str):
 
 def unit_fn(config: GPTConfig):
   """A pure function (unit_params, x, mask, positions, rng=None) → (x, MoE (token stats, load) or None) applying one
-  stacked element (unit_module), rematerialised per the config; `rng` seeds LoRA dropout (GPTConfig.lora_dropout)."""
+  stacked element (unit_module), rematerialised per the config; `rng` (optional) is the element's DROPOUT_RNG
+  stream (e.g. LoRA dropout, posttrain/lora.py)."""
   unit = unit_module(config)
 
   def apply(params, x, mask, positions, rng=None):
-    rngs = None if rng is None else {"lora_dropout": rng}
+    rngs = None if rng is None else {DROPOUT_RNG: rng}
     out, _, stats = unit.apply({"params": params}, x, mask, positions, rngs=rngs)
     return out, stats
 
@@ -159,7 +160,7 @@ def run_blocks(config: GPTConfig, stacked_params, x, mask, positions, token_stat
 
   Returns (x, None) for a dense model; with experts (x, moe.MoeStats): per-token statistics summed over the
   layers (added to `token_stats` when given, as a pipeline stage continues its predecessor's) and the expert
-  load of each MoE layer. `rng` (optional) is split into one LoRA-dropout key per stacked element.
+  load of each MoE layer. `rng` (optional) is split into one DROPOUT_RNG key per stacked element.
   """
   fn = unit_fn(config)
   keys = None if rng is None else jax.random.split(rng, jax.tree.leaves(stacked_params)[0].shape[0])

@@ -54,9 +54,6 @@ class GPTConfig:
   num_kv_heads: int = 0  # key/value heads: 0 = num_heads (multi-head); fewer = grouped-query; 1 = multi-query
   use_bias: bool = True  # biases on the attention and MLP projections and on an untied lm_head
   valid_vocab_size: int = 0  # 0 = all rows; else rows ≥ this are padding (for sharding) and masked out of the softmax
-  # Set by the trainer from lora.LoraConfig.dropout: dropout on the input of LoRA adapters (posttrain/lora.py)
-  # that a projection finds beside its kernel; active only when the apply gets a 'lora_dropout' rng.
-  lora_dropout: float = 0.0
   # Mixture of experts (model/moe.py): the MLP of every moe_every-th layer becomes num_experts experts of the model's
   # MLP kind, each token sent to its moe_top_k most probable by a float32 router. 0 experts = a dense model.
   num_experts: int = 0  # experts per MoE layer; 0 = no MoE layers
@@ -144,11 +141,6 @@ class GPTConfig:
       raise ValueError(f"GPTConfig rope scaling: need rope_scaling_factor >= 1 and rope_high_freq_factor > "
                        f"rope_low_freq_factor, got {self.rope_scaling_factor}, {self.rope_high_freq_factor}, "
                        f"{self.rope_low_freq_factor}")
-    if not 0.0 <= self.lora_dropout < 1.0:
-      raise ValueError(f"LoraConfig.dropout={self.lora_dropout} must be in [0, 1)")
-    if self.lora_dropout and self.num_stages > 1:
-      raise ValueError(f"LoraConfig.dropout={self.lora_dropout} with {self.num_stages} pipeline stages: LoRA dropout "
-                       "runs on the scanned layer stack only; use a mesh without 'pipeline' or dropout 0")
     if self.valid_vocab_size < 0 or self.valid_vocab_size > self.vocab_size:
       raise ValueError(f"GPTConfig.valid_vocab_size={self.valid_vocab_size} must be in [0, vocab_size="
                        f"{self.vocab_size}]")

@@ -14,7 +14,7 @@ from t5x_like.model import cpu_kernels as kernels
 from t5x_like.model import layers
 from t5x_like.model import pipeline_parallel
 from t5x_like.model import moe
-from t5x_like.model.blocks import init_stacked_blocks, run_blocks, unit_module
+from t5x_like.model.blocks import DROPOUT_RNG, init_stacked_blocks, run_blocks, unit_module
 from t5x_like.model.config import GPTConfig  # re-exported: decoder.GPTConfig is the config most callers name
 from t5x_like.parallel import axis_names as ax
 
@@ -57,7 +57,7 @@ class GPT(nn.Module):
                              nn.with_logical_partitioning(layers._INIT, (ax.POSITION, ax.EMBED)),
                              (cfg.max_len, cfg.d_model), jnp.float32)
       x = x + layers.lookup(pos_table, positions, ax.POSITION)
-    if self.has_variable("params", "blocks"):  # read as given: it may carry LoRA adapters beside its kernels
+    if self.has_variable("params", "blocks"):  # read as given: it may carry extra leaves (LoRA adapters)
       blocks = nn.meta.unbox(self.get_variable("params", "blocks"))
     else:
       blocks = self.param("blocks", lambda r: init_stacked_blocks(cfg, r, cfg.num_layers))
@@ -66,10 +66,13 @@ class GPT(nn.Module):
     if cache is not None:
       x, new_cache = self._decode_blocks(blocks, x, segment_ids, positions, cache, cache_index)
     elif cfg.num_stages > 1 and not self.is_initializing():  # init only needs shapes: run sequentially
+      if self.has_rng(DROPOUT_RNG):
+        raise ValueError(f"a '{DROPOUT_RNG}' rng with GPTConfig.num_stages={cfg.num_stages}: dropout runs on the "
+                         "scanned layer stack only; use a mesh without 'pipeline' or no dropout")
       x, moe_stats = pipeline_parallel.run_pipeline_blocks(cfg, blocks, x, segment_ids, positions)
     else:
-      lora_rng = self.make_rng("lora_dropout") if cfg.lora_dropout and self.has_rng("lora_dropout") else None
-      x, moe_stats = run_blocks(cfg, blocks, x, layers.causal_segment_mask(segment_ids), positions, rng=lora_rng)
+      rng = self.make_rng(DROPOUT_RNG) if self.has_rng(DROPOUT_RNG) else None
+      x, moe_stats = run_blocks(cfg, blocks, x, layers.causal_segment_mask(segment_ids), positions, rng=rng)
     if moe_stats is not None and not self.is_initializing():  # kept when "intermediates" is mutable
       self.sow("intermediates", MOE_STATS, moe_stats)
     x = layers.norm_layer(cfg.norm)(dtype=cfg.compute_dtype, epsilon=cfg.layer_norm_epsilon, name="ln_f")(x)

@@ -100,21 +100,12 @@ class DenseGeneral(nn.Module):
   dtype: Dtype = jnp.bfloat16
   kernel_init: Callable = _INIT
   use_bias: bool = True
-  lora_dropout: float = 0.0  # dropout on the input of LoRA adapters, when present and a 'lora_dropout' rng is given
 
   @nn.compact
   def __call__(self, x):
     kernel = self.param("kernel", nn.with_logical_partitioning(self.kernel_init, self.kernel_axes),
                         self.in_shape + self.out_shape, jnp.float32)
-    n_in = len(self.in_shape)
-    y = kernels.contract_trailing(x.astype(self.dtype), kernel.astype(self.dtype), n_in)
-    if self.has_variable("params", "lora_a"):  # LoRA: + dropout(x)·A·B, A (in..., r), B (r, out...) pre-scaled
-      h = x.astype(self.dtype)
-      if self.lora_dropout and self.has_rng("lora_dropout"):
-        keep = jax.random.bernoulli(self.make_rng("lora_dropout"), 1.0 - self.lora_dropout, h.shape)
-        h = jnp.where(keep, h / (1.0 - self.lora_dropout), 0).astype(self.dtype)
-      low = kernels.contract_trailing(h, self.get_variable("params", "lora_a").astype(self.dtype), n_in)
-      y = y + jnp.tensordot(low, self.get_variable("params", "lora_b").astype(self.dtype), axes=1)
+    y = kernels.contract_trailing(x.astype(self.dtype), kernel.astype(self.dtype), len(self.in_shape))
     if self.use_bias:
       bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.bias_axes),
                         self.out_shape, jnp.float32)

@@ -3,12 +3,15 @@
 For a target kernel W of shape (L?, in..., out...) (the stacked-layer axis L kept when it has one) the
 adapters are A (L?, in..., r), small random, and B (L?, r, out...), zero, so the first step runs the
 base model exactly. The decoder blocks' projections (qkv / query / key_value / out / mlp_*) run their
-adapters inside the model, beside the frozen kernel:
+adapters inside the model, beside the frozen kernel, as PEFT's LoRA layer does:
 
-    y = x·W + dropout(x)·A·((alpha / r)·B)
+    y = (x·W + b) + dropout(x)·A·((alpha / r)·B)
 
 so no merged weight is built, W gets no gradient, and `dropout` (PEFT's lora_dropout) applies to the
 adapters' input; its masks are seeded by each (micro)batch's tokens, so a resumed run draws the same.
+The model knows nothing of this: `attach` puts the adapters beside their kernels in the parameter tree and
+`in_model` wraps every model.layers.DenseGeneral call (flax method interception) that finds them, under
+the layer scan, remat and the pipeline alike (dropout: not with pipeline stages, `validate`).
 Other targets (an embedding table, lm_head) are merged, W' = W + (alpha / r)·A·B, as are all adapters
 for sampling, evaluation and `merge_checkpoint`.
 
@@ -39,6 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from t5x_like.model import cpu_kernels
+from t5x_like.model import layers
+from t5x_like.model.blocks import DROPOUT_RNG
+from t5x_like.model.config import GPTConfig
 from t5x_like.parallel import axis_names as ax
 from t5x_like.training import checkpointing
 from t5x_like.training.trainable import path_name
@@ -251,6 +258,37 @@ def attach(base: Params, adapters: Params, scale: float,
   return flax.traverse_util.unflatten_dict(flat)
 
 
+def in_model(dropout: float = 0.0):
+  """A context in which every model.layers.DenseGeneral call that finds `lora_a`, `lora_b` beside its kernel
+  (parameters from `attach`) returns its output + dropout(x)·A·B. The dropout masks draw from the apply's
+  blocks.DROPOUT_RNG stream (`rngs=`); without it (or at rate 0) the adapters read x itself. Enter it around
+  the trace of the model's apply."""
+  return nn.intercept_methods(functools.partial(_dense_with_adapters, dropout))
+
+
+def _dense_with_adapters(dropout: float, next_fun, args, kwargs, context):
+  """flax interceptor: DenseGeneral's y (x (..., *in) → (..., *out)) + dropout(x)·A (in..., r)·B (r, out...)."""
+  y = next_fun(*args, **kwargs)
+  dense = context.module
+  if (not isinstance(dense, layers.DenseGeneral) or context.method_name != "__call__"
+      or not dense.has_variable("params", A)):
+    return y
+  h = args[0].astype(dense.dtype)
+  if dropout and dense.has_rng(DROPOUT_RNG):
+    keep = jax.random.bernoulli(dense.make_rng(DROPOUT_RNG), 1.0 - dropout, h.shape)
+    h = jnp.where(keep, h / (1.0 - dropout), 0).astype(dense.dtype)
+  low = cpu_kernels.contract_trailing(h, dense.get_variable("params", A).astype(dense.dtype), len(dense.in_shape))
+  return y + jnp.tensordot(low, dense.get_variable("params", B).astype(dense.dtype), axes=1)  # (..., *out)
+
+
+def validate(config: LoraConfig, model_config: GPTConfig) -> None:
+  """Raises ValueError for LoRA settings the model cannot run: dropout with pipeline stages (the pipelined
+  layer stack takes no dropout rng)."""
+  if config.rank and config.dropout and model_config.num_stages > 1:
+    raise ValueError(f"LoraConfig.dropout={config.dropout} with {model_config.num_stages} pipeline stages: LoRA "
+                     "dropout runs on the scanned layer stack only; use a mesh without 'pipeline' or dropout 0")
+
+
 def _subtree(adapters: Params, kernels) -> Params:
   flat = flax.traverse_util.flatten_dict(adapters)
   return flax.traverse_util.unflatten_dict({k: v for k, v in flat.items() if k[:-1] in set(kernels)})
@@ -290,8 +328,9 @@ class LoraObjective:
     inner = self.inner
     if self.dropout:
       inner = dataclasses.replace(inner, apply_fn=functools.partial(inner.apply_fn,
-                                                                    rngs={"lora_dropout": dropout_key(batch)}))
-    return inner.loss(params, batch, others)
+                                                                    rngs={DROPOUT_RNG: dropout_key(batch)}))
+    with in_model(self.dropout):
+      return inner.loss(params, batch, others)
 
 
 def objective(inner, boxed_params: Params, config: LoraConfig) -> LoraObjective:
