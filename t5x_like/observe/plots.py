@@ -57,15 +57,25 @@ def load_runs(model_dirs: list) -> dict:
   return runs
 
 
+def task_panel(runs: dict):
+  """A fourth panel for lm-eval task scores logged during training (tasks/<task>/<metric>, not perplexities),
+  or None when no run logged any."""
+  keys = sorted({k for records in runs.values() for r in records for k in r
+                 if k.startswith("tasks/") and not k.endswith("perplexity")})
+  return ("Tasks", "score", [(k, "o-", k[len("tasks/"):]) for k in keys]) if keys else None
+
+
 def plot_runs(runs: dict, out: str, dpi: int = 110) -> str:
-  """Draws every run into one figure of three panels (loss, lr, throughput) and writes a PNG (local or gs://)."""
+  """Draws every run into one figure of three panels (loss, lr, throughput; a fourth with lm-eval task scores when
+  the runs logged any) and writes a PNG (local or gs://)."""
   if plt is None:
     raise ImportError("plotting needs matplotlib: pip install 't5x_like[plot]'")
-  fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4), constrained_layout=True)
+  panels = PANELS + ((task_panel(runs),) if task_panel(runs) else ())
+  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), constrained_layout=True)
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   for i, (label, records) in enumerate(runs.items()):
     color = colors[i % len(colors)]
-    for ax, (title, ylabel, keys) in zip(axes, PANELS):
+    for ax, (title, ylabel, keys) in zip(axes, panels):
       for key, style, suffix in keys:
         steps, values = series(records, key)
         if steps:
