@@ -34,6 +34,8 @@ def define_flags() -> None:
                      "requests may run before they are cancelled.")
   flags.DEFINE_string("model_name", None, "The model id clients name (default: MODEL_DIR's folder name).")
   flags.DEFINE_integer("seed", d.seed, "Seed of sampled requests that give none.")
+  flags.DEFINE_bool("warmup", d.warmup, "Compile every prefill shape (slots x prompt widths, powers of two) before "
+                    "serving, so that no request waits for a compilation (--nowarmup: start at once).")
   flags.DEFINE_string("tokenizer", None, "Tokenizer instead of DATA_DIR's: a SentencePiece .model, an HF "
                       "tokenizer.json or HF folder (e.g. a converted MODEL_DIR); with it DATA_DIR may be ''.")
 
@@ -47,7 +49,7 @@ def main(argv):
   config = server.ServeConfig(host=FLAGS.host, port=FLAGS.port, max_batch=FLAGS.max_batch,
                               max_seq_len=FLAGS.max_seq_len, max_waiting=FLAGS.max_waiting,
                               shutdown_timeout_seconds=FLAGS.shutdown_timeout_seconds, model_name=name,
-                              seed=FLAGS.seed)
+                              seed=FLAGS.seed, warmup=FLAGS.warmup)
   server.serve(server.load_model(runtime, config, step=FLAGS.step, tokenizer=FLAGS.tokenizer,
                                  template=gin_utils.configured(chat.ChatTemplate, "data")), config)
 

@@ -22,8 +22,7 @@ from t5x_like.model import decoder as model_lib
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
-from t5x_like.training import experiment as experiment_lib
-from t5x_like.training import optimizer as optimizer_lib
+from t5x_like.training import runtime as runtime_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = dict(num_layers=1, num_heads=2, d_model=32, d_ff=64, max_len=64, dtype="float32", tie_embeddings=False)
@@ -47,7 +46,7 @@ def make_run(root: str) -> dict:
                            validation_fraction=0.0, progress=False, cache_dir=None)
   config = config_lib.TrainConfig(model_dir=model_dir, data_dir=data_dir, batch_size=8, seq_len=56,
                                   mesh_shape={"data": -1})
-  exp = experiment_lib.Experiment(config, model_lib.GPTConfig(**MODEL), optimizer_lib.OptimizerConfig())
+  exp = runtime_lib.Runtime(config, model_lib.GPTConfig(**MODEL))
   rng = np.random.RandomState(0)
   params = jax.tree.map(lambda x: rng.normal(0.0, 1.0, x.shape).astype(np.float32),
                         partitioning.unbox(exp.boxed_params))
@@ -65,10 +64,12 @@ def run_args(run: dict) -> list:
 
 
 class ServerProcess:
-  """`python -m t5x_like.serve` on a free loopback port; `url` once it listens."""
+  """`python -m t5x_like.serve` on a free loopback port; `url` once it listens. `run`: make_run's folders
+  (None: `flags` name the model)."""
 
-  def __init__(self, run: dict, *flags, timeout_seconds: float = 300):
-    self.proc = subprocess.Popen([sys.executable, "-m", "t5x_like.serve", *run_args(run), "--port=0", *flags],
+  def __init__(self, run: dict | None, *flags, timeout_seconds: float = 300):
+    self.proc = subprocess.Popen([sys.executable, "-m", "t5x_like.serve", *(run_args(run) if run else []), "--port=0",
+                                  *flags],
                                  cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout_seconds
     self.banner = ""

@@ -27,8 +27,7 @@ from t5x_like.inference.engine import Engine
 from t5x_like.inference.sampling import SamplingParams
 from t5x_like.model import decoder as model_lib
 from t5x_like.training import config as config_lib
-from t5x_like.training import experiment as experiment_lib
-from t5x_like.training import optimizer as optimizer_lib
+from t5x_like.training import runtime as runtime_lib
 
 PROMPT = "reverse: self path"
 CHAT = [{"role": "user", "content": "reverse: value of"}]
@@ -41,7 +40,7 @@ def run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(run):
-  proc = sf.ServerProcess(run, "--max_batch=4")
+  proc = sf.ServerProcess(run, "--max_batch=4", "--nowarmup")  # compiles on first use (the 429 test warms up)
   yield proc
   proc.stop()
 
@@ -56,7 +55,7 @@ def reference(run):
   """An engine of our own over the run's checkpoint: the log-probs the server must return."""
   config = config_lib.TrainConfig(model_dir=run["model_dir"], data_dir=run["data_dir"], batch_size=8, seq_len=56,
                                   mesh_shape={"data": -1})
-  exp = experiment_lib.Experiment(config, model_lib.GPTConfig(**sf.MODEL), optimizer_lib.OptimizerConfig())
+  exp = runtime_lib.Runtime(config, model_lib.GPTConfig(**sf.MODEL))
   tok = exp.load_tokenizer()
   with exp.context():
     _, params = exp.restore_params()

@@ -26,6 +26,7 @@ import uvicorn
 from t5x_like.data import chat
 from t5x_like.inference import chat_eval
 from t5x_like.inference import openai_schema as schema
+from t5x_like.inference import engine as engine_lib
 from t5x_like.inference.engine import Engine
 from t5x_like.inference.engine_loop import EngineLoop, ServeMetrics
 from t5x_like.inference.sampling import SamplingParams
@@ -47,6 +48,7 @@ class ServeConfig:
   model_name: str = "t5x_like"  # the model id /v1/models lists and requests must name
   default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default); chat: the context's rest
   seed: int = 0  # the seed of sampled requests that give none
+  warmup: bool = True  # compile every prefill shape at start-up (server.warm_up) instead of on first use
 
 
 class Model:
@@ -91,7 +93,23 @@ def load_model(runtime, config: ServeConfig, *, step: Optional[int] = None, toke
                     cache_len=config.max_seq_len or None, pad_id=tok.pad_id, seed=config.seed,
                     detokenize=lambda ids: tok.decode([t for t in ids if t != eos]))
     engine.generate([[eos]], SamplingParams(max_tokens=2))  # compiles the prefill and the decode step
+    if config.warmup:
+      warm_up(engine)
   return Model(engine, tok, encoder, chat_error, found)
+
+
+def warm_up(engine: Engine) -> int:
+  """Compiles the prefill of every (prompts admitted together, prompt width) bucket the engine uses (powers of two
+  up to its slots × from engine.MIN_WIDTH to its context), so that no request waits for a compilation later.
+  Returns how many shapes were run."""
+  limit = min(engine.config.max_len, engine.cache_len)
+  rows = sorted({min(1 << i, engine.slots) for i in range(engine.slots.bit_length() + 1)})
+  widths = sorted({min(w, limit - 1) for w in (engine_lib.MIN_WIDTH << i for i in range(limit.bit_length()))
+                   if w // 2 < limit - 1})
+  for r in rows:
+    for w in widths:
+      engine.generate([[engine.pad_id + 1] * w] * r, SamplingParams(max_tokens=1))
+  return len(rows) * len(widths)
 
 
 def _error(e: schema.ApiError) -> JSONResponse:
