@@ -52,6 +52,9 @@ from t5x_like.data import preference as preference_data  # pylint: disable=g-imp
 from t5x_like.interop import hf_config  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5x_like.model import decoder as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5x_like.parallel import partitioning  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5x_like.recipes import distill as distill_recipe  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5x_like.recipes import dpo as dpo_recipe  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5x_like.recipes import reward as reward_recipe  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5x_like.training import checkpointing  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5x_like.training import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5x_like.training import experiment as experiment_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -99,11 +102,11 @@ def pair_batch(rng, batch: int, seq: int, vocab: int) -> dict:
 
 
 def run(name: str, run_kind: str, student, teacher_dir: str, base_dir: str, args, mesh_shape) -> dict:
-  objective = {"sft": config_lib.ObjectiveConfig(), "dpo": config_lib.ObjectiveConfig(name="preference"),
-               "reward": config_lib.ObjectiveConfig(name="reward")}.get(
-                   run_kind, config_lib.ObjectiveConfig(name="distill", teacher_checkpoint=teacher_dir))
+  recipe = {"sft": config_lib.LanguageModelConfig(), "dpo": dpo_recipe.DpoConfig(),
+            "reward": reward_recipe.RewardConfig()}.get(run_kind,
+                                                       distill_recipe.DistillConfig(teacher_checkpoint=teacher_dir))
   config = config_lib.TrainConfig(model_dir="", data_dir="", train_steps=100, batch_size=args.batch_size,
-                                  seq_len=args.seq_len, mesh_shape=mesh_shape, objective=objective,
+                                  seq_len=args.seq_len, mesh_shape=mesh_shape, recipe_config=recipe,
                                   loss_chunk=32 if run_kind == "distill_chunk32" else 0,
                                   checkpoint=checkpointing.CheckpointConfig(warm_start_from=base_dir))
   exp = experiment_lib.Experiment(config, student, optimizer_lib.OptimizerConfig(learning_rate=1e-4))

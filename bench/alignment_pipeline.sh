@@ -63,9 +63,9 @@ echo "GRPO (exact match), held-out prompts:"; evaluate "${GRPO[@]}" --gin.MODEL_
 
 stage "6. GRPO with the learned reward (RLHF), from the SFT model"
 python -m t5x_like.train "${GRPO[@]}" --gin.MODEL_DIR="'$W/rlhf'" --gin.TRAIN_STEPS=60 --gin.EVAL_EVERY=20 \
-  --gin.GRPO_REWARD="'reward_model'" --gin.objective.ObjectiveConfig.reward_checkpoint="'$W/rm'" \
+  --gin.GRPO_REWARD="'reward_model'" --gin.grpo.GrpoConfig.reward_checkpoint="'$W/rm'" \
   --gin.optimizer.OptimizerConfig.learning_rate=2e-4 --gin.optimizer.OptimizerConfig.warmup_steps=10
 echo "GRPO (learned reward), held-out prompts:"
 evaluate "${GRPO[@]}" --gin.MODEL_DIR="'$W/rlhf'" --gin.GRPO_REWARD="'reward_model'" \
-  --gin.objective.ObjectiveConfig.reward_checkpoint="'$W/rm'"
+  --gin.grpo.GrpoConfig.reward_checkpoint="'$W/rm'"
 stage "done"

@@ -25,6 +25,7 @@ from t5x_like.data import preprocessing
 from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.model import decoder as model_lib
 from t5x_like.parallel import partitioning
+from t5x_like.recipes import grpo as grpo_recipe
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
 from t5x_like import data as data_lib
@@ -74,7 +75,7 @@ def main():
       seq_len=32, log_every=args.eval_every, eval_every=args.eval_every, checkpoint_every=args.steps,
       mesh_shape={"data": -1}, data=data_lib.DataConfig(eval_batches=1, shuffle_buffer=256),
       checkpoint=checkpointing.CheckpointConfig(async_save=False, warm_start_from=sft_dir, warm_start_required=True),
-      objective=config_lib.ObjectiveConfig(name="grpo", num_generations=args.group, beta=args.kl, max_new_tokens=6))
+      recipe="grpo", recipe_config=grpo_recipe.GrpoConfig(num_generations=args.group, kl_beta=args.kl, max_new_tokens=6))
   opt = optimizer_lib.OptimizerConfig(learning_rate=args.lr, warmup_steps=10, decay="constant", weight_decay=0.0)
   gexp = experiment_lib.Experiment(grpo, MODEL, opt)
   with gexp.context():

@@ -18,6 +18,7 @@ from t5x_like.model import decoder
 from t5x_like.parallel import distributed
 from t5x_like.parallel import host_allocator
 from t5x_like.posttrain import lora
+from t5x_like import recipes
 from t5x_like.posttrain import lora_runs  # noqa: F401  # the runtime reads LoRA runs with their own settings
 from t5x_like.training import checkpointing
 from t5x_like.training import curriculum
@@ -37,7 +38,6 @@ NESTED_CONFIGS = {
     "observe": (observe.ObserveConfig, "observe"),
     "lora": (lora.LoraConfig, "lora"),
     "curriculum": (curriculum.CurriculumConfig, "curriculum"),
-    "objective": (train_config_lib.ObjectiveConfig, "objective"),
 }
 
 
@@ -64,6 +64,8 @@ def register_all() -> None:
   register(train_config_lib.TrainConfig, "trainer")
   for cls, module in NESTED_CONFIGS.values():
     register(cls, module)
+  for module, cls in recipes.gin_configs().items():  # dpo.DpoConfig, grpo.GrpoConfig, ... (t5x_like/recipes/)
+    register(cls, module)
   register(chat.ChatTemplate, "data")  # the chat template a chat DATA_DIR, `infer --chat` and evaluation render with
 
 
@@ -77,7 +79,9 @@ def train_config() -> train_config_lib.TrainConfig:
   """The run's TrainConfig from the parsed gin bindings, with its per-concern configs built from theirs
   (`data.DataConfig.shuffle_buffer = ...`, `checkpointing.CheckpointConfig.keep = ...`, ...)."""
   nested = {field: configured(cls, module) for field, (cls, module) in NESTED_CONFIGS.items()}
-  return dataclasses.replace(configured(train_config_lib.TrainConfig, "trainer"), **nested)
+  config = configured(train_config_lib.TrainConfig, "trainer")
+  recipe = recipes.get(config.recipe).CONFIG  # trainer.TrainConfig.recipe = 'dpo' → dpo.DpoConfig's bindings
+  return dataclasses.replace(config, **nested, recipe_config=configured(recipe, config.recipe))
 
 
 def config_roots() -> list:

@@ -22,6 +22,7 @@ from t5x_like.parallel import global_batch
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
+from t5x_like.recipes import distill as distill_recipe
 from t5x_like import data as data_lib
 from t5x_like.training import experiment as experiment_lib
 from t5x_like.training import optimizer as optimizer_lib
@@ -120,8 +121,8 @@ def run_config(model_dir, data_dir, teacher, **overrides):
       eval_every=0, checkpoint_every=100, mesh_shape={"data": -1},
       data=data_lib.DataConfig(shuffle_buffer=64, eval_batches=4),
       checkpoint=checkpointing.CheckpointConfig(async_save=False),
-      objective=config_lib.ObjectiveConfig(name="distill", teacher_checkpoint=teacher, distill_alpha=0.5,
-                                           distill_temperature=1.0))
+      recipe="distill", recipe_config=distill_recipe.DistillConfig(teacher_checkpoint=teacher, alpha=0.5,
+                                                                   temperature=1.0))
   return config_lib.TrainConfig(**{**fields, **overrides})
 
 
@@ -187,7 +188,8 @@ def test_distilled_student_beats_scratch_and_resumes_exactly(corpus, tmp_path):
   batches (8 × 16 tokens), where the teacher's full distributions beat the data's one-hot targets."""
   steps, small = 12, dict(batch_size=8, seq_len=16)
   opt = dataclasses.replace(OPT, learning_rate=3e-2)
-  exp = experiment_lib.Experiment(run_config(tmp_path / "lm", corpus, "", objective=config_lib.ObjectiveConfig(),
+  exp = experiment_lib.Experiment(run_config(tmp_path / "lm", corpus, "", recipe="language_model",
+                                             recipe_config=config_lib.LanguageModelConfig(),
                                              **small), STUDENT, opt)
   state, step, eval_step = exp.init_state(), exp.jit_train_step(), exp.jit_eval_step()
   batches = iter(exp.dataset("train", shuffle=True, repeat=True))
@@ -198,10 +200,9 @@ def test_distilled_student_beats_scratch_and_resumes_exactly(corpus, tmp_path):
         scratch = exp.evaluate(state.params, eval_step)["eval/loss"]
   teacher_loss = exp.evaluate(state.params, eval_step)["eval/loss"]
   teacher = write_teacher(tmp_path / "teacher", STUDENT, jax.tree.map(np.asarray, state.params))
-  objective = config_lib.ObjectiveConfig(name="distill", teacher_checkpoint=teacher, distill_alpha=1.0,
-                                         distill_temperature=1.0)
+  recipe = distill_recipe.DistillConfig(teacher_checkpoint=teacher, alpha=1.0, temperature=1.0)
   config = run_config(tmp_path / "d", corpus, teacher, train_steps=steps, checkpoint_every=steps - 2,
-                      objective=objective, **small)
+                      recipe_config=recipe, **small)
   distilled = trainer.train(config, STUDENT, opt)  # the same initial parameters and batches as the scratch run
   print({"teacher": teacher_loss, "scratch": scratch, "distilled": distilled["eval/cross_entropy"]})
   assert teacher_loss < scratch - 0.05  # measured: 2.859 vs 2.946

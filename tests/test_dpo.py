@@ -21,10 +21,12 @@ from t5x_like.data import packing
 from t5x_like.data import preference as preference_data
 from t5x_like.data import preference_synth
 from t5x_like.data import preprocessing
+from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.model import decoder as model_lib
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
+from t5x_like.recipes import dpo as dpo_recipe
 from t5x_like import data as data_lib
 from t5x_like.training import experiment as experiment_lib
 from t5x_like.training import optimizer as optimizer_lib
@@ -65,7 +67,7 @@ def test_pairs_are_rendered_like_chat_sft_and_never_split_across_rows(prefs, cor
   assert manifest["max_pairs_per_row"] == report["max_pairs_per_row"] >= 1
   ds = input_pipeline.make_dataset(data_dir, "validation", batch_size=8, seq_len=SEQ, shuffle=False, repeat=False,
                                    process_index=0, process_count=1)
-  tok = experiment_lib.tokenizer_lib.load(input_pipeline.resolve_path(data_dir, manifest["tokenizer"]))
+  tok = tokenizer_lib.load(input_pipeline.resolve_path(data_dir, manifest["tokenizer"]))
   pairs = 0
   for batch in ds:
     batch = {k: v.numpy() for k, v in batch.items()}
@@ -212,8 +214,7 @@ def run_config(model_dir, data_dir, *, base="", reference="", loss_type="sigmoid
       model_dir=str(model_dir), data_dir=data_dir, train_steps=20, batch_size=16, seq_len=SEQ, log_every=1,
       eval_every=0, checkpoint_every=100, mesh_shape={"data": -1}, data=data_lib.DataConfig(shuffle_buffer=64),
       checkpoint=checkpointing.CheckpointConfig(async_save=False, warm_start_from=base, warm_start_required=True),
-      objective=config_lib.ObjectiveConfig(name="preference", loss_type=loss_type, beta=0.1,
-                                           reference_checkpoint=reference))
+      recipe="dpo", recipe_config=dpo_recipe.DpoConfig(loss_type=loss_type, beta=0.1, reference_checkpoint=reference))
   return config_lib.TrainConfig(**{**fields, **overrides})
 
 
@@ -257,7 +258,8 @@ def test_preference_objective_refuses_other_data_and_a_missing_reference(prefs, 
   assert not experiment_lib.Experiment(run_config(tmp_path / "r", prefs[0], loss_type="simpo"), TINY,
                                        OPT).needs_reference
   with pytest.raises(ValueError, match="holds preference pairs: language modelling would learn the rejected"):
-    experiment_lib.Experiment(run_config(tmp_path / "r", prefs[0], objective=config_lib.ObjectiveConfig()), TINY, OPT)
+    experiment_lib.Experiment(run_config(tmp_path / "r", prefs[0], recipe_config=config_lib.LanguageModelConfig()), TINY,
+                              OPT)
   with pytest.raises(ValueError, match="loss_type must be one of"):
     experiment_lib.Experiment(run_config(tmp_path / "r", prefs[0], loss_type="hinge"), TINY, OPT)
 

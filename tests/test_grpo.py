@@ -22,6 +22,7 @@ from t5x_like.inference import chat_eval
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
+from t5x_like.recipes import grpo as grpo_recipe
 from t5x_like import data as data_lib
 from t5x_like.training import experiment as experiment_lib
 from t5x_like.training import optimizer as optimizer_lib
@@ -113,10 +114,10 @@ def test_group_advantages_and_prompt_schedule():
 
 
 def test_built_in_rewards_and_an_unregistered_name():
-  config = config_lib.ObjectiveConfig(name="grpo", reward_format=r"\w+ \w+")
+  config = grpo_recipe.GrpoConfig(reward_format=r"\w+ \w+")
   assert rewards.get("exact_match")([" a b", "a c"], ["a b", "a b"], ["", ""]) == [1.0, 0.0]
   assert rewards.get("format")(["two words", "three words here"], ["", ""], ["", ""], config=config) == [1.0, 0.0]
-  with pytest.raises(ValueError, match=r"ObjectiveConfig.reward='nope' is not a registered reward function "
+  with pytest.raises(ValueError, match=r"GrpoConfig.reward='nope' is not a registered reward function "
                                        r"\(registered: .*exact_match, format"):
     rewards.get("nope")
 
@@ -135,8 +136,8 @@ def grpo_config(model_dir, data_dir, sft_dir, **objective):
       log_every=5, eval_every=0, checkpoint_every=30, mesh_shape={"data": -1},
       data=data_lib.DataConfig(eval_batches=1, shuffle_buffer=256),
       checkpoint=checkpointing.CheckpointConfig(async_save=False, warm_start_from=sft_dir, warm_start_required=True),
-      objective=config_lib.ObjectiveConfig(**{"name": "grpo", "num_generations": GROUP, "beta": 0.0,
-                                              "max_new_tokens": 6, **objective}))
+      recipe="grpo", recipe_config=grpo_recipe.GrpoConfig(**{"num_generations": GROUP, "kl_beta": 0.0,
+                                                             "max_new_tokens": 6, **objective}))
 
 
 GRPO_OPT = optimizer_lib.OptimizerConfig(learning_rate=3e-3, warmup_steps=10, decay="constant", weight_decay=0.0)
@@ -207,14 +208,14 @@ def test_prompts_are_the_conversations_before_their_last_assistant_turn(chat_dat
 def test_bad_grpo_configurations_are_one_line_errors_naming_the_key(chat_data, corpus, tmp_path):
   (data_dir, _, _), sft_dir = chat_data, ""
   for objective, message in [
-      (dict(num_generations=1), r"ObjectiveConfig.num_generations=1: GRPO compares each sample with the others"),
-      (dict(num_generations=3), r"BATCH_SIZE=128 is not a multiple of ObjectiveConfig.num_generations=3"),
-      (dict(reward="nope"), r"ObjectiveConfig.reward='nope' is not a registered reward function"),
-      (dict(max_new_tokens=0), r"ObjectiveConfig.max_new_tokens=0 must be in \[1, SEQ_LEN=32\]")]:
+      (dict(num_generations=1), r"GrpoConfig.num_generations=1: GRPO compares each sample with the others"),
+      (dict(num_generations=3), r"BATCH_SIZE=128 is not a multiple of GrpoConfig.num_generations=3"),
+      (dict(reward="nope"), r"GrpoConfig.reward='nope' is not a registered reward function"),
+      (dict(max_new_tokens=0), r"GrpoConfig.max_new_tokens=0 must be in \[1, SEQ_LEN=32\]")]:
     with pytest.raises(ValueError, match=message) as raised:
       experiment_lib.Experiment(grpo_config(tmp_path, data_dir, sft_dir, **objective), MODEL, GRPO_OPT)
     assert "\n" not in str(raised.value)
-  with pytest.raises(ValueError, match=r"ObjectiveConfig.name='grpo' samples answers to the prompts of a chat "
+  with pytest.raises(ValueError, match=r"TrainConfig.recipe='grpo' samples answers to the prompts of a chat "
                                        r"DATA_DIR .* has format 'text'"):
     experiment_lib.Experiment(grpo_config(tmp_path, corpus, sft_dir), MODEL, GRPO_OPT)
 

@@ -25,6 +25,7 @@ from t5x_like.model import heads
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
+from t5x_like.recipes import reward as reward_recipe
 from t5x_like.training import experiment as experiment_lib
 from t5x_like.posttrain import reward_scoring
 from t5x_like.training import step as step_lib
@@ -90,7 +91,7 @@ OPT = dataclasses.replace(dpo.OPT, learning_rate=3e-3)
 
 
 def run_config(model_dir, data_dir, base, **overrides):
-  return dpo.run_config(model_dir, data_dir, base=base, objective=config_lib.ObjectiveConfig(name="reward"),
+  return dpo.run_config(model_dir, data_dir, base=base, recipe="reward", recipe_config=reward_recipe.RewardConfig(),
                         **overrides)
 
 
@@ -198,7 +199,7 @@ def test_reward_step_on_a_layout_equals_one_device():
 
 
 def test_reward_objective_refuses_text_data_and_a_head_mismatch(prefs, corpus, tmp_path):
-  with pytest.raises(ValueError, match=r"ObjectiveConfig.name='reward' reads a preference DATA_DIR.*format 'text'"):
+  with pytest.raises(ValueError, match=r"TrainConfig.recipe='reward' reads a preference DATA_DIR.*format 'text'"):
     experiment_lib.Experiment(run_config(tmp_path / "r", corpus, ""), TINY, OPT)
   exp = experiment_lib.Experiment(run_config(tmp_path / "r", prefs[0], ""), TINY, OPT)
   assert isinstance(exp.model, heads.ScoredGPT) and isinstance(exp.objective, reward.Reward)

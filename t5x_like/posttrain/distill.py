@@ -92,9 +92,9 @@ class Distill:
 
   def __post_init__(self):
     if not 0.0 <= self.alpha <= 1.0:
-      raise ValueError(f"ObjectiveConfig.distill_alpha must be in [0, 1], got {self.alpha}")
+      raise ValueError(f"DistillConfig.alpha must be in [0, 1], got {self.alpha}")
     if self.temperature <= 0:
-      raise ValueError(f"ObjectiveConfig.distill_temperature must be > 0, got {self.temperature}")
+      raise ValueError(f"DistillConfig.temperature must be > 0, got {self.temperature}")
 
   def loss(self, params, batch, frozen):
     if TEACHER not in frozen:

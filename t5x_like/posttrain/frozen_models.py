@@ -49,10 +49,10 @@ class FrozenModels:
     return partitioning.shardings_from_boxed(self.teacher_boxed_params, self.mesh, self.rules)
 
   def load_teacher(self, path: Optional[str] = None) -> str:
-    """Restores the frozen teacher `distill.TEACHER` from `path`, else ObjectiveConfig.teacher_checkpoint
+    """Restores the frozen teacher `distill.TEACHER` from `path`, else DistillConfig.teacher_checkpoint
     (TEACHER_CHECKPOINT_PATH), after checking every parameter shape against the teacher's model config;
     returns the checkpoints/<step> read."""
-    path = path or self.config.objective.teacher_checkpoint
+    path = path or self.config.recipe_config.teacher_checkpoint
     what = f"teacher model (TEACHER_CHECKPOINT_PATH, model config {self.teacher_source})"
     pinned = self.check_checkpoint_shapes(path, what, boxed=self.teacher_boxed_params)
     if self.teacher != pinned:
@@ -87,18 +87,28 @@ class FrozenModels:
     return bool(getattr(self.model_objective, "needs_reference", False))
 
   def load_reference(self, path: Optional[str] = None) -> str:
-    """Restores the frozen reference model `preference.REFERENCE` from `path`, else ObjectiveConfig.
+    """Restores the frozen reference model `preference.REFERENCE` from `path`, else the recipe's
     reference_checkpoint (REFERENCE_CHECKPOINT_PATH), else CheckpointConfig.warm_start_from
     (INITIAL_CHECKPOINT_PATH), after checking every parameter shape; returns the checkpoints/<step> read."""
-    path = path or self.config.objective.reference_checkpoint or self.config.checkpoint.warm_start_from
+    path = path or self.config.recipe_config.reference_checkpoint or self.config.checkpoint.warm_start_from
     if not path:
       raise ValueError(f"the {self.model_objective.loss_type} loss needs a reference model: set "
-                       "REFERENCE_CHECKPOINT_PATH (ObjectiveConfig.reference_checkpoint) or INITIAL_CHECKPOINT_PATH")
+                       "REFERENCE_CHECKPOINT_PATH (DpoConfig.reference_checkpoint) or INITIAL_CHECKPOINT_PATH")
     pinned = self.check_checkpoint_shapes(path, "reference model (REFERENCE_CHECKPOINT_PATH)")
-    if self.reference != pinned:
+    if self.reference != pinned and self.shares_lora_base(pinned):
+      # under LoRA the reference is the base with the adapters switched off: the same arrays, no second copy
+      self.frozen[preference.REFERENCE] = self.frozen[lora_lib.BASE]
+      self.frozen_shardings[preference.REFERENCE] = self.frozen_shardings[lora_lib.BASE]
+      self.reference = pinned
+    elif self.reference != pinned:
       self.add_frozen(preference.REFERENCE, pinned)
       self.reference = pinned
     return pinned
+
+  def shares_lora_base(self, path: Optional[str] = None) -> bool:
+    """Whether the reference (at `path`, default the loaded one) is the loaded LoRA base itself."""
+    path = path or self.reference
+    return bool(self.lora and path and path == self.lora_base)
 
   def check_checkpoint_shapes(self, path: str, what: str = "initial checkpoint", boxed=None) -> str:
     """Checks every parameter shape of the checkpoint at `path` (a MODEL_DIR or checkpoints/<step>)

@@ -64,9 +64,9 @@ class Grpo:
 
   def __post_init__(self):
     if not 0 < self.clip_epsilon < 1:
-      raise ValueError(f"ObjectiveConfig.clip_epsilon must be in (0, 1), got {self.clip_epsilon}")
+      raise ValueError(f"GrpoConfig.clip_epsilon must be in (0, 1), got {self.clip_epsilon}")
     if self.beta < 0:
-      raise ValueError(f"ObjectiveConfig.beta (GRPO's KL coefficient) must be >= 0, got {self.beta}")
+      raise ValueError(f"GrpoConfig.kl_beta must be >= 0, got {self.beta}")
 
   @property
   def features(self) -> tuple:

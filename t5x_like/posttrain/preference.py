@@ -75,9 +75,9 @@ class Preference:
 
   def __post_init__(self):
     if self.loss_type not in LOSS_TYPES:
-      raise ValueError(f"ObjectiveConfig.loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+      raise ValueError(f"DpoConfig.loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
     if self.beta <= 0:
-      raise ValueError(f"ObjectiveConfig.beta must be > 0, got {self.beta}")
+      raise ValueError(f"DpoConfig.beta must be > 0, got {self.beta}")
     if self.max_pairs < 1:
       raise ValueError(f"max_pairs must be >= 1, got {self.max_pairs}")
 

@@ -1,4 +1,4 @@
-"""Reward functions for GRPO, by name (ObjectiveConfig.reward).
+"""Reward functions for GRPO, by name (GrpoConfig.reward).
 
 A reward function maps one rollout batch to one float per completion:
 
@@ -7,14 +7,14 @@ A reward function maps one rollout batch to one float per completion:
 (a function with the attribute `wants_sequences = True` also gets `sequences`, each prompt's token ids followed by
 its completion's up to the end marker, and `mesh`, the training mesh), where `completions` is the generated assistant text (decoded, cut at the end marker), `references` the
 reference answer of each prompt's conversation in the DATA_DIR, `prompts` the prompt text, and `config` the
-run's ObjectiveConfig. Register your own with `@rewards.register("name")` in a module that a gin file imports
-(`import my_project.my_rewards` at the top of the gin file), then bind `objective.ObjectiveConfig.reward = 'name'`.
+run's GrpoConfig. Register your own with `@rewards.register("name")` in a module that a gin file imports
+(`import my_project.my_rewards` at the top of the gin file), then bind `grpo.GrpoConfig.reward = 'name'`.
 
 Built in:
   exact_match    1 when the completion equals the reference (leading/trailing whitespace stripped), else 0.
-  format         1 when the whole completion matches the regex ObjectiveConfig.reward_format, else 0.
+  format         1 when the whole completion matches the regex GrpoConfig.reward_format, else 0.
   reward_model   the scalar score of a trained reward model (configs/runs/reward.gin) at
-                 ObjectiveConfig.reward_checkpoint (RLHF with a learned reward); see posttrain/reward_scoring.py.
+                 GrpoConfig.reward_checkpoint (RLHF with a learned reward); see posttrain/reward_scoring.py.
 """
 
 import re
@@ -45,10 +45,10 @@ def get(name: str) -> RewardFn:
   """The reward function registered as `name`.
 
   Raises:
-    ValueError: one line naming ObjectiveConfig.reward, the name and the registered ones.
+    ValueError: one line naming GrpoConfig.reward, the name and the registered ones.
   """
   if name not in _REGISTRY:
-    raise ValueError(f"ObjectiveConfig.reward={name!r} is not a registered reward function (registered: "
+    raise ValueError(f"GrpoConfig.reward={name!r} is not a registered reward function (registered: "
                      f"{', '.join(registered())}); register one with @t5x_like.posttrain.rewards.register({name!r})")
   return _REGISTRY[name]
 
@@ -63,11 +63,11 @@ def exact_match(completions, references, prompts, *, config=None):
 def format_match(completions, references, prompts, *, config):
   del references, prompts
   if not config.reward_format:
-    raise ValueError("ObjectiveConfig.reward='format' needs the regex ObjectiveConfig.reward_format")
+    raise ValueError("GrpoConfig.reward='format' needs the regex GrpoConfig.reward_format")
   try:
     pattern = re.compile(config.reward_format, re.DOTALL)
   except re.error as e:
-    raise ValueError(f"ObjectiveConfig.reward_format={config.reward_format!r} is not a valid regex: {e}") from None
+    raise ValueError(f"GrpoConfig.reward_format={config.reward_format!r} is not a valid regex: {e}") from None
   return [float(pattern.fullmatch(c.strip()) is not None) for c in completions]
 
 
@@ -79,7 +79,7 @@ def reward_model(completions, references, prompts, *, config, sequences, mesh):
   (checkpoint, mesh) onto the training mesh."""
   del completions, references, prompts
   if not config.reward_checkpoint:
-    raise ValueError("ObjectiveConfig.reward='reward_model' needs ObjectiveConfig.reward_checkpoint, a reward model's "
+    raise ValueError("GrpoConfig.reward='reward_model' needs GrpoConfig.reward_checkpoint, a reward model's "
                      "MODEL_DIR (configs/runs/reward.gin)")
   key = (config.reward_checkpoint, mesh)
   if key not in _SCORERS:

@@ -4,7 +4,7 @@ rewards from a registered function, group-relative advantages, and the rollout b
 Prompts. Every conversation of a chat DATA_DIR (`preprocess --format=chat`) is one prompt: its tokens up to
 the last assistant turn (ending with the assistant marker, exactly as `infer --chat` prompts), and that turn's
 text is the reference answer (for rewards such as exact match). Conversations cut by the row length, and
-prompts that leave less than ObjectiveConfig.max_new_tokens of the row, are skipped and counted.
+prompts that leave less than GrpoConfig.max_new_tokens of the row, are skipped and counted.
 
 Determinism. Step s trains on the prompts at positions (s−1)·P .. s·P−1 of a sequence of seeded permutations
 of the train prompts (one per epoch; P = BATCH_SIZE / G), sampled with the seed step_seed(SEED, s) from the
@@ -143,18 +143,18 @@ class Rollouts:
   def __init__(self, exp):
     self.exp = exp
     config = exp.config
-    self.objective_config = config.objective
-    self.group = config.objective.num_generations
+    self.objective_config = config.recipe_config
+    self.group = config.recipe_config.num_generations
     self.per_step = config.batch_size // self.group
-    self.reward_fn = rewards_lib.get(config.objective.reward)
+    self.reward_fn = rewards_lib.get(config.recipe_config.reward)
     self.encoder = chat_eval.encoder_for(exp, chat.ChatTemplate())
     self.stop_ids = (self.encoder.marker_ids["end"], self.encoder.tokenizer.eos_id)
     read = lambda split: read_prompts(config.data_dir, split, seq_len=config.seq_len, encoder=self.encoder,
-                                      max_new_tokens=config.objective.max_new_tokens)
+                                      max_new_tokens=config.recipe_config.max_new_tokens)
     self.train = read("train")
     if not self.train.prompts:
       raise ValueError(f"DATA_DIR '{config.data_dir}' split 'train' has no usable GRPO prompt (skipped: "
-                       f"{self.train.skipped}); raise SEQ_LEN or lower ObjectiveConfig.max_new_tokens")
+                       f"{self.train.skipped}); raise SEQ_LEN or lower GrpoConfig.max_new_tokens")
     self.validation = read("validation") if "validation" in exp.manifest["splits"] else None
     self.width = max(len(p) for p in self.train.prompts + (self.validation.prompts if self.validation else []))
     self.engine = None  # made at the first rollout, then reused with each step's parameters: one compile

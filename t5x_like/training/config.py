@@ -1,4 +1,4 @@
-"""A training run's configuration: the run itself, its objective, and the per-concern configs it nests.
+"""A training run's configuration: the run itself, its recipe's config, and the per-concern configs it nests.
 
 Each nested config lives in the module its gin name points to: `data.DataConfig` (t5x_like/data),
 `checkpointing.CheckpointConfig`, `fault_tolerance.FaultToleranceConfig` (training/), `observe.ObserveConfig`
@@ -9,48 +9,33 @@ TrainConfig, where configs/runs/pretrain.gin binds them.
 """
 
 import dataclasses
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
+
 from t5x_like.data import DataConfig
+from t5x_like.model import decoder
 from t5x_like.observe import ObserveConfig
 from t5x_like.posttrain.lora import LoraConfig  # until TrainConfig.lora moves to the recipes (training -> posttrain)
 from t5x_like.training.checkpointing import CheckpointConfig
 from t5x_like.training.curriculum import CurriculumConfig
 from t5x_like.training.fault_tolerance import FaultToleranceConfig
-
-
-# ObjectiveConfig.name values: training/objectives/<name>.py (see training/objective_choice.py).
-OBJECTIVES = ("language_model", "preference", "reward", "distill", "grpo")
+from t5x_like.training.objectives import language_model
 
 
 @dataclasses.dataclass(frozen=True)
-class ObjectiveConfig:
-  """Which loss trains the model (training/objectives/), bound as `objective.ObjectiveConfig.<field>`."""
-  name: str = "language_model"  # 'language_model' (pre-training, SFT) or 'preference' (DPO/IPO/SimPO on pairs)
-  loss_type: str = "sigmoid"  # preference: 'sigmoid' (DPO), 'ipo', 'simpo' (reference-free)
-  beta: float = 0.1  # preference: β (DPO/IPO: strength of the implicit KL to the reference; SimPO: reward scale)
-  gamma: float = 0.5  # simpo: the target reward margin γ
-  # preference: the frozen reference model (REFERENCE_CHECKPOINT_PATH): a MODEL_DIR, checkpoints/<step> or
-  # converted checkpoint; '' = CheckpointConfig.warm_start_from (INITIAL_CHECKPOINT_PATH)
-  reference_checkpoint: str = ""
-  # grpo (configs/runs/grpo.gin): `beta` is the KL coefficient to the frozen reference (0 = no reference loaded)
-  num_generations: int = 8  # G: samples per prompt (a group); BATCH_SIZE = prompts per step × G
-  clip_epsilon: float = 0.2  # the policy ratio is clipped to [1 − ε, 1 + ε]
-  reward: str = "exact_match"  # a registered reward function (posttrain/rewards.py): exact_match, format, reward_model
-  reward_format: str = ""  # the `format` reward's regex: 1 when the whole completion matches it
-  max_new_tokens: int = 16  # rollout length budget per completion
-  temperature: float = 1.0  # rollout sampling temperature (top_k below; evaluation is greedy)
-  top_k: int = 0
-  reward_checkpoint: str = ""  # the `reward_model` reward: a reward model's MODEL_DIR (configs/runs/reward.gin)
-  # distill (configs/runs/distill.gin): the frozen teacher (TEACHER_CHECKPOINT_PATH), a MODEL_DIR, checkpoints/<step>
-  # or converted checkpoint whose model.gin / config.gin gives its (possibly larger) model config; the loss is
-  # distill_alpha · T² · KL(teacher_T ‖ student_T) + (1 − distill_alpha) · CE with T = distill_temperature.
-  teacher_checkpoint: str = ""
-  distill_alpha: float = 0.5
-  distill_temperature: float = 2.0
+class LanguageModelConfig:
+  """The default recipe, language modelling (pre-training, SFT; gin: `language_model.LanguageModelConfig`):
+  its settings are the run's own (TrainConfig.loss_chunk, .trainable, lora.LoraConfig). Other recipes'
+  configs live in t5x_like/recipes/<name>.py; this one is here because every run can use it."""
 
-  def __post_init__(self):
-    if self.name not in OBJECTIVES:
-      raise ValueError(f"ObjectiveConfig.name must be one of {OBJECTIVES}, got {self.name!r}")
+  def make_objective(self, run, *, loss_scaled: bool):
+    """The next-token objective over `run`'s model (a Runtime); refuses a preference DATA_DIR."""
+    del loss_scaled  # token-normalised: loss scaling applies as is
+    if run.manifest is not None and run.manifest.get("format") == "preference":
+      raise ValueError(f"DATA_DIR '{run.config.data_dir}' holds preference pairs: language modelling would learn the "
+                       "rejected answers too; train it with configs/runs/dpo.gin (TrainConfig.recipe='dpo')")
+    cfg = run.model_config
+    return language_model.LanguageModel(apply_fn=run.model.apply, loss_chunk=run.config.loss_chunk,
+                                        logits_fn=lambda params, hidden: decoder.project_logits(params, hidden, cfg))
 
 
 # Named TrainConfig.trainable values (any other value is a regex over parameter paths).
@@ -89,7 +74,9 @@ class TrainConfig:
   observe: ObserveConfig = ObserveConfig()  # observe.ObserveConfig
   lora: LoraConfig = LoraConfig()  # lora.LoraConfig; rank 0 = off
   curriculum: CurriculumConfig = CurriculumConfig()  # curriculum.CurriculumConfig; sequence-length warmup
-  objective: ObjectiveConfig = ObjectiveConfig()  # objective.ObjectiveConfig; the loss
+  recipe: str = "language_model"  # the method: a module of t5x_like/recipes/ (dpo, reward, grpo, distill, ...)
+  # the recipe's config (dpo.DpoConfig, ...), built by cli.train_config() from its gin bindings
+  recipe_config: Any = LanguageModelConfig()
 
   def __post_init__(self):
     if self.fault_tolerance.nonfinite_action not in ("stop", "rollback"):

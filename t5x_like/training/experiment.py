@@ -21,7 +21,6 @@ from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.posttrain import frozen_models
 from t5x_like.posttrain import lora as lora_lib
-from t5x_like.training import objective_choice
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import precision
 from t5x_like.training import runtime as runtime_lib
@@ -49,14 +48,14 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
   def __init__(self, config: TrainConfig, model_config: model_lib.GPTConfig,
                optimizer_config: optimizer_lib.OptimizerConfig,
                precision_config: Optional[precision.PrecisionConfig] = None):
-    super().__init__(config, model_config, scored=config.objective.name == "reward")  # reward: the score head
+    recipe = config.recipe_config  # the method's config (t5x_like/recipes/<TrainConfig.recipe>.py)
+    super().__init__(config, model_config, scored=getattr(recipe, "scored_model", False))  # reward: the score head
     self.precision_config = precision_config or precision.PrecisionConfig()
     lora_lib.validate(config.lora, self.model_config)  # LoRA dropout: not with pipeline stages
     # The objective over the model's parameters; under LoRA, `objective` wraps it to take adapters.
-    choice = objective_choice.make_objective(config, self.manifest, self.model, self.model_config,
-                                             loss_scaled=self.initial_loss_scale() is not None)
-    self.model_objective = choice.objective
-    self.teacher_config, self.teacher_source = choice.teacher_config, choice.teacher_source  # distillation
+    self.model_objective = recipe.make_objective(self, loss_scaled=self.initial_loss_scale() is not None)
+    # distillation: the teacher's model config and the file it was read from
+    self.teacher_config, self.teacher_source = recipe.teacher(self) if hasattr(recipe, "teacher") else (None, None)
     self.objective = self.model_objective
     self.lr_fn = optimizer_lib.learning_rate_schedule(optimizer_config, config.train_steps)
     self.tx = optimizer_lib.make_optimizer(optimizer_config, config.train_steps)
@@ -109,7 +108,7 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     if self.lora:
       report["memory/frozen_base_bytes_per_device"] = train_state_lib.bytes_per_device(
           partitioning.unbox(self.boxed_params), self.model_shardings)
-    if self.needs_reference:  # laid out like the model's parameters, without optimizer state
+    if self.needs_reference and not self.shares_lora_base():  # laid out like the model's, no optimizer state
       report["memory/frozen_reference_bytes_per_device"] = train_state_lib.bytes_per_device(
           partitioning.unbox(self.boxed_params), self.model_shardings)
     if self.needs_teacher:  # laid out by the same rules, without optimizer state

@@ -1,0 +1,36 @@
+"""The DPO family on a preference DATA_DIR: DPO (sigmoid), IPO and the reference-free SimPO (posttrain/preference.py).
+
+DPO and IPO train the policy against a frozen reference (REFERENCE_CHECKPOINT_PATH, default the
+INITIAL_CHECKPOINT_PATH the policy starts from); a resumed run keeps the reference its checkpoints name.
+Gin: configs/runs/dpo.gin.
+"""
+
+import dataclasses
+
+from t5x_like.posttrain import preference
+from t5x_like.recipes import base
+
+NAME = "TrainConfig.recipe='dpo'"
+
+
+@dataclasses.dataclass(frozen=True)
+class DpoConfig(base.ReferenceConfig):
+  """Preference optimisation (gin: `dpo.DpoConfig`)."""
+  loss_type: str = "sigmoid"  # 'sigmoid' (DPO), 'ipo', 'simpo' (reference-free)
+  beta: float = 0.1  # β: DPO/IPO: strength of the implicit KL to the reference; SimPO: reward scale
+  gamma: float = 0.5  # SimPO's target reward margin γ
+
+  def make_objective(self, run, *, loss_scaled: bool):
+    base.check_format(run, "preference", NAME)
+    if run.config.curriculum.enabled():
+      raise ValueError(f"{NAME} with a sequence-length warmup (CurriculumConfig): cutting rows would split pairs; "
+                       "turn the warmup off")
+    if loss_scaled:
+      raise ValueError(f"{NAME} with dynamic loss scaling (float16): not supported, the scaled step normalises by "
+                       "tokens, not pairs; use bfloat16 or float32")
+    return preference.Preference(run.model.apply, loss_type=self.loss_type, beta=self.beta,
+                                             gamma=self.gamma,
+                                             max_pairs=int((run.manifest or {}).get("max_pairs_per_row") or 1))
+
+
+CONFIG = DpoConfig

@@ -1,0 +1,85 @@
+"""Recipes: found by name (TrainConfig.recipe), each config bound in gin under its module's name with no field meaning
+two things, and a LoRA DPO run's reference = its base with the adapters off (the same arrays, no second copy)."""
+
+import dataclasses
+
+import gin
+import jax
+import pytest
+
+from tests.test_dpo import OPT, TINY, host_params, prefs, run_config  # pylint: disable=unused-import  (prefs: a fixture)
+
+from t5x_like import cli
+from t5x_like import recipes
+from t5x_like.parallel import global_batch
+from t5x_like.posttrain import lora
+from t5x_like.posttrain import preference
+from t5x_like.recipes import dpo as dpo_recipe
+from t5x_like.recipes import grpo as grpo_recipe
+from t5x_like.training import checkpointing
+from t5x_like.training import config as config_lib
+from t5x_like.training import experiment as experiment_lib
+from t5x_like.training import trainer
+
+
+def test_every_recipe_module_is_found_by_name_and_an_unknown_one_is_a_one_line_error():
+  assert {"language_model", "dpo", "reward", "grpo", "distill"} <= set(recipes.RECIPES)
+  assert recipes.get("dpo").CONFIG is dpo_recipe.DpoConfig
+  with pytest.raises(ValueError, match=r"TrainConfig.recipe='ppo' is not a recipe \(t5x_like/recipes/: distill, dpo"):
+    recipes.get("ppo")
+
+
+RUN = ["MODEL_DIR = '/tmp/x'", "DATA_DIR = '/tmp/d'"]
+
+
+@pytest.mark.parametrize("gin_file, bindings, expected", [
+    ("configs/runs/dpo.gin", ["DPO_BETA = 0.3", "dpo.DpoConfig.gamma = 0.7", "INITIAL_CHECKPOINT_PATH = '/b'"],
+     dpo_recipe.DpoConfig(beta=0.3, gamma=0.7)),
+    ("configs/runs/grpo.gin", ["GRPO_KL = 0.02", "GRPO_GROUP = 4", "INITIAL_CHECKPOINT_PATH = '/b'"],
+     grpo_recipe.GrpoConfig(kl_beta=0.02, num_generations=4, max_new_tokens=32)),
+    ("configs/runs/pretrain.gin", [], config_lib.LanguageModelConfig()),
+])
+def test_a_run_file_picks_its_recipe_and_binds_its_config_under_the_recipe_name(gin_file, bindings, expected):
+  gin.clear_config()
+  try:
+    cli.parse_gin([f"{cli.REPO_ROOT}/configs/models/gpt_tiny.gin", f"{cli.REPO_ROOT}/{gin_file}"],
+                  RUN + bindings)
+    config = cli.train_config()
+  finally:
+    gin.clear_config()
+  assert config.recipe_config == expected
+  assert recipes.get(config.recipe).CONFIG is type(expected)
+
+
+def _lora_dpo(prefs_dir, model_dir, base_dir):
+  config = run_config(model_dir, prefs_dir, base=base_dir, train_steps=2, lora=lora.LoraConfig(rank=4, alpha=8.0))
+  exp = experiment_lib.Experiment(config, TINY, OPT)
+  manager = checkpointing.make_manager(str(model_dir), async_save=False)
+  _, state, _, origin = trainer.initial_state(exp, manager, None)
+  return exp, state, origin
+
+
+def test_a_lora_dpo_reference_is_the_base_itself_and_the_losses_are_unchanged(prefs, tmp_path):
+  base_dir = str(tmp_path / "base")
+  checkpointing.save_params(base_dir, host_params(dataclasses.replace(TINY, vocab_size=512), seed=2))
+  exp, state, origin = _lora_dpo(prefs[0], tmp_path / "run", base_dir)
+  assert origin["reference_checkpoint"] == origin["lora"]["base"]
+  # one copy: the reference's arrays are the base's, and the start-up report counts no frozen reference bytes
+  assert all(r is b for r, b in zip(jax.tree.leaves(exp.frozen[preference.REFERENCE]),
+                                    jax.tree.leaves(exp.frozen[lora.BASE])))
+  report = exp.startup_report()
+  assert "memory/frozen_reference_bytes_per_device" not in report and report["memory/frozen_base_bytes_per_device"]
+  batch = exp.global_batch(global_batch.tf_to_numpy(next(iter(exp.eval_dataset(repeat=True)))))
+  loss = jax.jit(exp.objective.loss)
+  with exp.context():
+    shared = loss(state.params, batch, exp.frozen)
+    # the same objective with a separately restored copy of the reference (the old behaviour)
+    copy = dict(exp.frozen)
+    copy[preference.REFERENCE] = checkpointing.restore_newest_params(origin["reference_checkpoint"],
+                                                                     exp.abstract_model_params())[1]
+    separate = loss(state.params, batch, copy)
+  assert not any(r is b for r, b in zip(jax.tree.leaves(copy[preference.REFERENCE]),
+                                        jax.tree.leaves(exp.frozen[lora.BASE])))
+  assert float(shared[0]) == float(separate[0]) and float(shared[1]) == float(separate[1]) > 0
+  for name in shared[2]:
+    assert float(shared[2][name]) == float(separate[2][name]), name
