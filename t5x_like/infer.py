@@ -92,9 +92,10 @@ def main(argv):
       prompts += [line.rstrip("\n") for line in f if line.strip()]
   if not prompts:
     raise ValueError("no prompt: pass --prompt='...' (repeatable) or --prompt_file=FILE")
-  step, continuations = text_lib.sample(exp, prompts, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-                                        top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed, step=FLAGS.step,
-                                        tokenizer=FLAGS.tokenizer, batch_size=FLAGS.batch_size)
+  step, continuations = text_lib.sample(exp, prompts, max_new_tokens=FLAGS.max_new_tokens,
+                                        temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
+                                        seed=FLAGS.seed, step=FLAGS.step, tokenizer=FLAGS.tokenizer,
+                                        batch_size=FLAGS.batch_size)
   print(f"# checkpoint step {step}", flush=True)
   for i, (prompt, text) in enumerate(zip(prompts, continuations)):
     if len(prompts) > 1:  # a continuation may span lines: mark where each sample starts
