@@ -107,7 +107,8 @@ def test_continuous_batching_gives_each_request_its_tokens_alone(dense):
   mesh, params = dense
   rng = np.random.RandomState(0)
   prompts = prompts_of(rng.randint(1, 17, 64), seed=1)
-  sampling = [SamplingParams(max_tokens=int(rng.randint(1, 16)), stop_token_ids=tuple(range(4, 40)) if i % 4 == 0 else ())
+  stops = tuple(range(4, 40))
+  sampling = [SamplingParams(max_tokens=int(rng.randint(1, 16)), stop_token_ids=stops if i % 4 == 0 else ())
               for i in range(64)]
   batched = Engine(DENSE, params, mesh, RULES, slots=8).generate(prompts, sampling)
   alone = Engine(DENSE, params, mesh, RULES, slots=1)

@@ -201,7 +201,8 @@ class Rollouts:
     prompts = [self.train.prompts[i] for i in indices]
     completions, logprobs = self.sample(params, [self.train.prompts[i] for i in chosen], n=self.group,
                                         seed=step_seed(config.seed, step),
-                                        temperature=self.objective_config.temperature, top_k=self.objective_config.top_k)
+                                        temperature=self.objective_config.temperature,
+                                        top_k=self.objective_config.top_k)
     values = self.score(self.train, indices, completions)
     advantages = group_advantages(values, self.group)
     rows = rollout_rows(prompts, completions, advantages, config.seq_len, self.encoder.tokenizer.pad_id)
