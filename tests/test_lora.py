@@ -224,6 +224,8 @@ def test_adapters_run_in_the_model_only_under_the_wrapper(lora_initial):
   state, base_params = lora_initial
   tokens = layouts.synthetic_batch()["inputs"][:4, :16]
   sums = lambda f: lambda a: jnp.sum(jnp.sin(f(a)) * jnp.arange(1.0, 1.0 + f(a).shape[-1]))
+  close = lambda got, want: [np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(w))))
+                             for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
   dropped_grads = []
   for remat in ("none", "full"):
     model = model_lib.GPT(dataclasses.replace(LLAMA, remat_policy=remat))
@@ -234,20 +236,21 @@ def test_adapters_run_in_the_model_only_under_the_wrapper(lora_initial):
                            rngs=None if rng is None else {"dropout": rng})
 
     merged = lambda a, model=model: model.apply({"params": lora.merge(base_params, a, LORA.scale)}, tokens)
-    got, want = jax.jit(in_model)(state.params), jax.jit(merged)(state.params)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    base_logits = model.apply({"params": base_params}, tokens)
-    assert np.max(np.abs(np.asarray(got) - np.asarray(base_logits))) > 1e-2  # the adapters act
-    outside = model.apply({"params": lora.attach(base_params, state.params, LORA.scale)}, tokens)
-    np.testing.assert_array_equal(np.asarray(outside), np.asarray(base_logits))
-    for g, w in zip(jax.tree.leaves(jax.jit(jax.grad(sums(in_model)))(state.params)),
-                    jax.tree.leaves(jax.jit(jax.grad(sums(merged)))(state.params))):
-      np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(w))))
     dropped = lambda a, in_model=in_model: in_model(a, 0.5, jax.random.key(1))
-    assert np.max(np.abs(np.asarray(jax.jit(dropped)(state.params)) - np.asarray(got))) > 1e-2
-    dropped_grads.append(jax.jit(jax.grad(sums(dropped)))(state.params))
-  for g, w in zip(*map(jax.tree.leaves, dropped_grads)):
-    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(w))))
+    if remat == "none":  # forward values: remat does not change them
+      outside = lambda a: model.apply({"params": lora.attach(base_params, a, LORA.scale)}, tokens)
+      base = lambda: model.apply({"params": base_params}, tokens)
+      got, want, ignored, drop, base_logits = jax.jit(
+          lambda a: (in_model(a), merged(a), outside(a), dropped(a), base()))(state.params)
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+      assert np.max(np.abs(np.asarray(got) - np.asarray(base_logits))) > 1e-2  # the adapters act
+      np.testing.assert_array_equal(np.asarray(ignored), np.asarray(base_logits))
+      assert np.max(np.abs(np.asarray(drop) - np.asarray(got))) > 1e-2  # dropout acts
+    grads = jax.jit(lambda a: (jax.grad(sums(in_model))(a), jax.grad(sums(merged))(a), jax.grad(sums(dropped))(a)))
+    in_grad, merged_grad, dropped_grad = grads(state.params)
+    close(in_grad, merged_grad)
+    dropped_grads.append(dropped_grad)
+  close(*dropped_grads)
 
 
 @pytest.fixture(scope="module")
