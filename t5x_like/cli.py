@@ -4,11 +4,13 @@ import dataclasses
 import importlib.resources
 import logging as std_logging
 import os
+import re
 import sys
 from typing import Callable, Sequence, TypeVar
 
 from absl import app, flags, logging
 import gin
+import tensorflow as tf
 
 from t5x_like import data
 from t5x_like import errors
@@ -120,6 +122,50 @@ def _is_macro(binding: str) -> bool:
   return "." not in name and "/" not in name
 
 
+# Bindings that older runs' config.gin (the operative config) holds and today's code no longer has: parsing such a
+# file maps them to what replaced them (ObjectiveConfig → the recipe's config, by its `name`) or drops them, with one
+# warning line, so infer / evaluate / convert / a resumed train still read an older MODEL_DIR.
+_RETIRED = re.compile(r"^(?:[\w.]+\.)?(ObjectiveConfig|GPTConfig)\.(\w+)\s*=\s*(.+)$")
+RETIRED_MODEL_FIELDS = ("score_head", "lora_dropout")  # now model/heads.py (recipe 'reward') and lora.LoraConfig.dropout
+OBJECTIVE_RECIPES = {"language_model": "language_model", "preference": "dpo", "reward": "reward", "grpo": "grpo",
+                     "distill": "distill"}  # ObjectiveConfig.name → TrainConfig.recipe
+RECIPE_FIELDS = {  # ObjectiveConfig field → the recipe config's, per recipe (any other field is dropped)
+    "dpo": {"loss_type": "loss_type", "beta": "beta", "gamma": "gamma", "reference_checkpoint": "reference_checkpoint"},
+    "grpo": {"beta": "kl_beta", "num_generations": "num_generations", "clip_epsilon": "clip_epsilon",
+             "reward": "reward", "reward_format": "reward_format", "reward_checkpoint": "reward_checkpoint",
+             "max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_k": "top_k",
+             "reference_checkpoint": "reference_checkpoint"},
+    "distill": {"teacher_checkpoint": "teacher_checkpoint", "distill_alpha": "alpha",
+                "distill_temperature": "temperature"},
+}
+
+
+def retire_bindings(text: str, where: str) -> str:
+  """`text` of a gin file with retired bindings (RETIRED_MODEL_FIELDS, ObjectiveConfig.*) replaced or dropped."""
+  kept, objective, dropped = [], {}, []
+  for line in text.splitlines():
+    found = _RETIRED.match(line.strip())
+    if found and found.group(1) == "ObjectiveConfig":
+      objective[found.group(2)] = found.group(3)
+    elif found and found.group(2) in RETIRED_MODEL_FIELDS:
+      dropped.append(f"GPTConfig.{found.group(2)}")
+    else:
+      kept.append(line)
+  if not objective and not dropped:
+    return text
+  if objective:
+    name = objective.get("name", "'language_model'").strip().strip("'\"")
+    recipe = OBJECTIVE_RECIPES.get(name, "language_model")
+    fields = RECIPE_FIELDS.get(recipe, {})
+    cls = recipes.get(recipe).CONFIG.__name__
+    kept.append(f"trainer.TrainConfig.recipe = '{recipe}'")
+    kept += [f"{recipe}.{cls}.{fields[k]} = {v}" for k, v in objective.items() if k in fields]
+    dropped += [f"ObjectiveConfig.{k}" for k in objective if k not in fields]
+  logging.warning("%s: bindings of an older version: ObjectiveConfig mapped to the recipe's config; dropped %s",
+                  where, ", ".join(sorted(set(dropped))) or "nothing else")
+  return "\n".join(kept) + "\n"
+
+
 def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str] = (),
               search_paths: Sequence[str] = (".",)) -> None:
   """Parses files then bindings, refusing a binding of a macro no file defines (a typo'd override
@@ -134,7 +180,14 @@ def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str] = (),
   probes = _GinSearchMisses()
   std_logging.getLogger().addFilter(probes)
   try:
-    gin.parse_config_files_and_bindings(files, None, finalize_config=False)
+    for path in files:  # in order, each file's retired bindings mapped or dropped first
+      with tf.io.gfile.GFile(path) as f:
+        text = f.read()
+      current = retire_bindings(text, path)
+      if current is text:
+        gin.parse_config_file(path)
+      else:
+        gin.parse_config(current)
   except (ValueError, SyntaxError, KeyError, TypeError, IOError) as e:
     raise ValueError(f"gin files {gin_files}: {errors.first_line(e)}") from e
   finally:

@@ -2,6 +2,7 @@
 two things, and a LoRA DPO run's reference = its base with the adapters off (the same arrays, no second copy)."""
 
 import dataclasses
+import os
 
 import gin
 import jax
@@ -83,3 +84,28 @@ def test_a_lora_dpo_reference_is_the_base_itself_and_the_losses_are_unchanged(pr
   assert float(shared[0]) == float(separate[0]) and float(shared[1]) == float(separate[1]) > 0
   for name in shared[2]:
     assert float(shared[2][name]) == float(separate[2][name]), name
+
+
+OLD_CONFIG = os.path.join(os.path.dirname(__file__), "data", "config_813c6e2_era.gin")  # a run's config.gin, f9706bf
+
+
+@pytest.mark.parametrize("name, beta, expected", [
+    ("language_model", "0.1", config_lib.LanguageModelConfig()),
+    ("preference", "0.3", dpo_recipe.DpoConfig(beta=0.3)),
+    ("grpo", "0.02", grpo_recipe.GrpoConfig(kl_beta=0.02)),
+])
+def test_an_older_runs_config_gin_still_parses_with_its_objective_mapped_to_the_recipe(name, beta, expected, tmp_path,
+                                                                                       caplog):
+  text = open(OLD_CONFIG, encoding="utf-8").read()
+  assert "ObjectiveConfig.name = 'language_model'" in text and "GPTConfig.score_head = False" in text
+  path = tmp_path / "config.gin"
+  path.write_text(text.replace("ObjectiveConfig.name = 'language_model'", f"ObjectiveConfig.name = '{name}'")
+                  .replace("ObjectiveConfig.beta = 0.1", f"ObjectiveConfig.beta = {beta}"))
+  gin.clear_config()
+  try:
+    cli.parse_gin([str(path)])
+    config = cli.train_config()
+  finally:
+    gin.clear_config()
+  assert config.recipe_config == expected and config.seq_len == 128
+  assert "bindings of an older version" in caplog.text and "GPTConfig.score_head" in caplog.text

@@ -9,6 +9,8 @@ config and boxed parameters from it.
 import functools
 from typing import Optional
 
+from absl import logging
+
 import flax
 import flax.linen as nn
 import jax
@@ -32,6 +34,41 @@ AXIS_FIELDS = {ax.VOCAB: "GPTConfig.vocab_size", ax.EMBED: "GPTConfig.d_model", 
 
 class FrozenModels:
   """Restoring frozen models (parameters only, no optimizer state) into an Experiment's `frozen` dict."""
+
+  def load_frozen(self, saved_metadata: Optional[dict], restored_step: Optional[int]) -> dict:
+    """Loads the frozen models this run's method reads, before training starts; returns what its checkpoints
+    record about them ({'lora': {...}}, {'reference_checkpoint': path}, {'teacher_checkpoint': path}).
+
+    Under LoRA the base: on resume (`saved_metadata` of checkpoint `restored_step`) the one the checkpoint names,
+    else INITIAL_CHECKPOINT_PATH's newest step. A DPO/IPO/GRPO reference (REFERENCE_CHECKPOINT_PATH, default
+    INITIAL_CHECKPOINT_PATH) and a distillation teacher (TEACHER_CHECKPOINT_PATH) likewise: a resumed run keeps
+    those its checkpoints name.
+    """
+    resumed = saved_metadata is not None or restored_step is not None
+    saved = saved_metadata or {}
+    ckpt, origin = self.config.checkpoint, {}
+    if self.lora:
+      base = saved.get("lora", {}).get("base") if resumed else None
+      if resumed and not base:
+        raise ValueError(f"{checkpointing.checkpoint_dir(self.config.model_dir)}/{restored_step}: a LoRA run's "
+                         "checkpoint without the base model's path in its metadata (lora.base)")
+      if not resumed and not ckpt.warm_start_from:
+        raise ValueError("LoRA (LoraConfig.rank > 0) needs a base model: set INITIAL_CHECKPOINT_PATH "
+                         "(CheckpointConfig.warm_start_from) to its MODEL_DIR or checkpoints/<step>")
+      pinned = self.load_lora_base(base or ckpt.warm_start_from)
+      if resumed and ckpt.warm_start_from and _newest(ckpt.warm_start_from) != pinned:
+        logging.warning("resuming a LoRA run over the base its checkpoints name (%s), not INITIAL_CHECKPOINT_PATH's "
+                        "newest step (%s)", pinned, _newest(ckpt.warm_start_from))
+      origin["lora"] = {"base": pinned, "rank": self.lora.rank, "alpha": self.lora.alpha, "targets": self.lora.targets}
+      logging.info("LoRA rank %d (alpha %g) on %d kernels over the frozen base %s", self.lora.rank, self.lora.alpha,
+                   len(self.objective.kernel_names), pinned)
+    if self.needs_reference:
+      origin["reference_checkpoint"] = self.load_reference(saved.get("reference_checkpoint") if resumed else None)
+      logging.info("frozen reference model %s", origin["reference_checkpoint"])
+    if self.needs_teacher:
+      origin["teacher_checkpoint"] = self.load_teacher(saved.get("teacher_checkpoint") if resumed else None)
+      logging.info("frozen teacher model %s", origin["teacher_checkpoint"])
+    return origin
 
   @property
   def needs_teacher(self) -> bool:
@@ -150,3 +187,10 @@ class FrozenModels:
       _, params = checkpointing.restore_newest_params(path, abstract)
     self.frozen[name], self.frozen_shardings[name] = params, shardings
     return params
+
+
+def _newest(path: str):
+  try:
+    return checkpointing.resolve_checkpoint(path)[1]
+  except (OSError, ValueError):
+    return None

@@ -87,6 +87,18 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
   def is_grpo(self) -> bool:
     return isinstance(self.model_objective, grpo.Grpo)
 
+  @property
+  def state_holds_model_params(self) -> bool:
+    """Whether the TrainState's parameters are the model's (not LoRA's adapters over a frozen base)."""
+    return self.params_fn is None
+
+  def batches(self, next_batch):
+    """step → that step's batch: `next_batch` (the data pipeline's), or for an on-policy method (GRPO) a function
+    of the parameters the step starts from, returning (batch, host metrics) (posttrain/rollout.py)."""
+    if self.is_grpo:
+      return lambda step: functools.partial(self.rollouts.batch, step=step)
+    return next_batch
+
   @functools.cached_property
   def rollouts(self) -> rollout.Rollouts:
     """GRPO's prompts, sampler and rewards (built on first use: it reads the DATA_DIR's prompts)."""

@@ -108,50 +108,22 @@ def initial_state(exp: Experiment, manager, train_iter) -> tuple:
   abstract = exp.abstract_with_shardings()
   restored_step, state, saved_metadata = checkpoints.restore_latest(manager, abstract, train_iter, quarantine=True)
   resumed = state is not None
-  origin = {}
-  if exp.lora:
-    base = (saved_metadata or {}).get("lora", {}).get("base") if resumed else None
-    if resumed and not base:
-      raise ValueError(f"{checkpoints.checkpoint_dir(config.model_dir)}/{restored_step}: a LoRA run's checkpoint "
-                       "without the base model's path in its metadata (lora.base)")
-    if not resumed and not ckpt.warm_start_from:
-      raise ValueError("LoRA (LoraConfig.rank > 0) needs a base model: set INITIAL_CHECKPOINT_PATH "
-                       "(CheckpointConfig.warm_start_from) to its MODEL_DIR or checkpoints/<step>")
-    pinned = exp.load_lora_base(base or ckpt.warm_start_from)
-    if resumed and ckpt.warm_start_from and _newest(ckpt.warm_start_from) != pinned:
-      logging.warning("resuming a LoRA run over the base its checkpoints name (%s), not INITIAL_CHECKPOINT_PATH's "
-                      "newest step (%s)", pinned, _newest(ckpt.warm_start_from))
-    origin["lora"] = {"base": pinned, "rank": exp.lora.rank, "alpha": exp.lora.alpha, "targets": exp.lora.targets}
-    logging.info("LoRA rank %d (alpha %g) on %d kernels over the frozen base %s", exp.lora.rank, exp.lora.alpha,
-                 len(exp.objective.kernel_names), pinned)
-  if exp.needs_reference:  # DPO/IPO: a resumed run keeps the reference its checkpoints name
-    pinned = (saved_metadata or {}).get("reference_checkpoint") if resumed else None
-    origin["reference_checkpoint"] = exp.load_reference(pinned)
-    logging.info("frozen reference model %s", origin["reference_checkpoint"])
-  if exp.needs_teacher:  # distillation: a resumed run keeps the teacher its checkpoints name
-    pinned = (saved_metadata or {}).get("teacher_checkpoint") if resumed else None
-    origin["teacher_checkpoint"] = exp.load_teacher(pinned)
-    logging.info("frozen teacher model %s", origin["teacher_checkpoint"])
+  # the frozen models the method reads (a LoRA base, a reference, a teacher): a resumed run keeps those its
+  # checkpoints name; `origin` is what this run's checkpoints record about them
+  origin = exp.load_frozen(saved_metadata if resumed else None, restored_step if resumed else None)
   if resumed:
     logging.info("resumed from %s at step %d", checkpoints.checkpoint_dir(config.model_dir), int(restored_step))
     return int(restored_step), state, saved_metadata, origin
   if ckpt.warm_start_required and not ckpt.warm_start_from:
     raise ValueError("INITIAL_CHECKPOINT_PATH is empty: a fine-tuning run (configs/runs/finetune.gin) starts from a "
                      "base model's MODEL_DIR or checkpoints/<step>")
-  if ckpt.warm_start_from and not exp.lora:
+  if ckpt.warm_start_from and exp.state_holds_model_params:  # (LoRA's state holds adapters; its base is frozen)
     pinned = exp.check_checkpoint_shapes(ckpt.warm_start_from)  # before anything compiles
     state = exp.warm_start(pinned, abstract, ckpt.warm_start_optimizer)  # a reward model's new head stays fresh
     origin["initial_checkpoint"] = pinned
   else:
     state = exp.init_state()
   return 0, state, None, origin
-
-
-def _newest(path: str):
-  try:
-    return checkpoints.resolve_checkpoint(path)[1]
-  except (OSError, ValueError):
-    return None
 
 
 def _write_operative_config(model_dir: str) -> None:
@@ -161,8 +133,12 @@ def _write_operative_config(model_dir: str) -> None:
 
 def train(config: TrainConfig, model_config: model_lib.GPTConfig,
           optimizer_config: optimizer_lib.OptimizerConfig,
-          precision_config: Optional[precision.PrecisionConfig] = None) -> dict:
+          precision_config: Optional[precision.PrecisionConfig] = None,
+          hook_factories: Sequence[Callable] = ()) -> dict:
   """Trains until `config.train_steps`, resuming from the newest good checkpoint in MODEL_DIR.
+
+  `hook_factories`: each called as factory(runtime, sinks, train_steps) once the metric sinks exist (before the
+  first step compiles); the hooks they return run after the evaluation hook, as hook(step, state, step_metrics).
 
   Returns:
     The last logged training metrics and the final evaluation.
@@ -206,17 +182,19 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
   meter = metrics_lib.IntervalMeter(config.batch_size * config.seq_len, jax.device_count(), flops_per_token, peak)
   profile = hooks_lib.ProfileHook(profiling.StepProfiler(config.model_dir, config.observe.profile_steps, is_primary))
 
-  def next_batch(step: int) -> dict:
-    if exp.is_grpo:  # GRPO's batch is sampled from the state inside the step (exp.rollouts.train_step)
-      return step
+  def next_batch(step: int):
     local = guard.poison(global_batch.tf_to_numpy(next(train_iter)), step)  # debug_nan_steps only
     length = curriculum.length_at(config.curriculum, step - 1, config.seq_len, config.loss_chunk)
     return exp.global_batch(curriculum.cut_rows(local, length))
 
-  if exp.is_grpo:
-    step_fn = lambda s, step: exp.rollouts.train_step(jitted_step, s, step, exp.frozen)
-  else:
-    step_fn = lambda s, b: jitted_step(s, b, exp.frozen)
+  next_batch = exp.batches(next_batch)  # an on-policy method (GRPO) samples its own from the current parameters
+
+  def step_fn(state, batch):
+    host = {}
+    if callable(batch):  # a batch made from the parameters the step starts from: (batch, host metrics)
+      batch, host = batch(state.params)
+    state, step_metrics = jitted_step(state, batch, exp.frozen)
+    return state, {**step_metrics, **host}
 
   def save(step: int, state) -> None:
     guard.save(step, state, train_iter, {**metadata, "step": step})
@@ -243,10 +221,11 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
         hooks_lib.Every(config.eval_every, last_step), lambda params: exp.evaluate(params, eval_fn), meter, sinks,
         final_extra=(lambda: {"eval/unigram_baseline": input_pipeline.unigram_baseline(config.data_dir)})
         if config.data.report_unigram_baseline else None)
+    extra_hooks = [factory(exp, sinks, config.train_steps) for factory in hook_factories]
     checkpoint = hooks_lib.CheckpointHook(hooks_lib.Every(config.checkpoint_every, last_step), save, meter)
     with exp.context(), guard:
       step, state = run_loop(state=state, start=start, train_steps=config.train_steps, next_batch=next_batch,
-                             step_fn=step_fn, hooks=[profile, log, evaluate],
+                             step_fn=step_fn, hooks=[profile, log, evaluate, *extra_hooks],
                              checkpoint=checkpoint, guard=guard, meter=meter, profile=profile)
       guard.finish(step)  # waits for the last save; the final one must have committed
     profile.profiler.stop(state)
