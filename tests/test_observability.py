@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests import conftest
+from tests.decode_reference import engine_tokens, generate_by_recompute
 
 from t5x_like import cli as cli_lib
 from t5x_like import plot
@@ -27,7 +28,6 @@ from t5x_like.model import decoder as model_lib
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.data import preprocessing as preprocess
 from t5x_like.data import tokenizer as tokenizer_lib
-from t5x_like.model import decoding as sampling
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
 from t5x_like.training import experiment
@@ -227,7 +227,7 @@ def test_evaluate_cli_matches_the_runs_own_evaluation_past_an_unreadable_checkpo
 
 def test_infer_cli_continues_prompts_from_flags_and_file_past_an_unreadable_checkpoint(run, damaged, tmp_path):
   """--prompt and --prompt_file (blank lines skipped), from the last readable checkpoint: each sample
-  is its prompt + the greedy continuation generate gives that batch of prompts on one device."""
+  is its prompt + the greedy continuation of a cache-free recompute on one device, cut at EOS."""
   prompt_file = tmp_path / "prompts.txt"
   prompt_file.write_text("every host packs\n\na shard writes\n")
   prompts = ["the trainer", "every host packs", "a shard writes"]
@@ -240,23 +240,21 @@ def test_infer_cli_continues_prompts_from_flags_and_file_past_an_unreadable_chec
   tok = tokenizer_lib.Tokenizer.load(os.path.join(run["data_dir"], exp.manifest["tokenizer"]))
   with exp.context():
     params = jax.device_get(exp.restore_params()[1])
-  tokens, segments = sampling.left_pad([tok.encode(p) for p in prompts], tok.pad_id)
-  continued = np.asarray(sampling.generate(params, tokens, segments, jax.random.key(0), config=exp.model_config,
-                                           max_new_tokens=new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id))
-  continuations = [tok.decode([int(t) for t in row]) for row in continued]
+  continued = [np.asarray(generate_by_recompute(params, np.array([tok.encode(p)]), config=exp.model_config,
+                                                max_new_tokens=new_tokens))[0].tolist() for p in prompts]
+  continuations = [tok.decode(row[:row.index(tok.eos_id)] if tok.eos_id in row else row) for row in continued]
   assert samples == [f"{i + 1}/3\n{p}{c}\n" for i, (p, c) in enumerate(zip(prompts, continuations))]
   assert all(c.strip() for c in continuations)
 
 
 def test_generate_on_the_training_mesh_matches_one_device(run):
   exp = experiment_on(run["model_dir"], run["data_dir"])
-  tokens, segments = sampling.left_pad([[5, 6, 7, 8, 9], [10, 11, 12]])
-  kwargs = dict(config=exp.model_config, max_new_tokens=10)
+  prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
   with exp.context():
     _, params = exp.restore_params()
-    sharded = np.asarray(sampling.generate(params, tokens, segments, jax.random.key(0), **kwargs))
+    sharded = engine_tokens(exp.model_config, params, prompts, 10, mesh=exp.mesh, rules=exp.rules)
   host = jax.device_get(params)
-  single = np.asarray(sampling.generate(host, tokens, segments, jax.random.key(0), **kwargs))
+  single = engine_tokens(exp.model_config, host, prompts, 10)
   np.testing.assert_array_equal(sharded, single)
   leaves = jax.tree.leaves(params)
   assert any(len(leaf.sharding.device_set) == 8 and not leaf.sharding.is_fully_replicated for leaf in leaves)
