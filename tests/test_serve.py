@@ -265,3 +265,14 @@ def test_chat_page_in_headless_chromium(server, client, tmp_path):
   assert user == "reverse: value of" and answer == want and want
   (tmp_path / "chat.png").write_bytes(base64.b64decode(shot))  # the screenshot artefact
   assert (tmp_path / "chat.png").stat().st_size > 5000
+
+
+@pytest.mark.slow  # two processes
+def test_help_and_a_bad_flag_is_one_line(run):
+  out = subprocess.run([sys.executable, "-m", "t5x_like.serve", "--help"], cwd=sf.REPO, env=sf.env(),
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0 and "--max_batch" in out.stdout and "/v1/chat/completions" in out.stdout
+  out = subprocess.run([sys.executable, "-m", "t5x_like.serve", *sf.run_args(run), "--max_batch=0"], cwd=sf.REPO,
+                       env=sf.env(), capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == "error: --max_batch must be >= 1, got 0"
+  assert "Traceback" not in out.stderr
