@@ -89,7 +89,8 @@ def test_completion_and_chat_with_the_openai_client(client, reference):
   encoder = chat.ChatEncoder(tok, chat_eval.template_for(exp.manifest, exp.config.data_dir, chat.ChatTemplate()))
   [[want]] = engine.generate([encoder.prompt_ids([("user", CHAT[0]["content"])])],
                              SamplingParams(max_tokens=10, stop_token_ids=(encoder.marker_ids["end"], tok.eos_id)))
-  assert c.choices[0].message.content == encoder.completion_text(want.tokens) and c.choices[0].message.role == "assistant"
+  assert c.choices[0].message.content == encoder.completion_text(want.tokens)
+  assert c.choices[0].message.role == "assistant"
   assert [x.logprob for x in c.choices[0].logprobs.content] == pytest.approx(want.logprobs, abs=1e-4)
   assert c.usage.completion_tokens == len(want.tokens)
 
@@ -169,7 +170,8 @@ def metric(text: str, name: str) -> float:
 
 
 def test_a_client_that_leaves_frees_its_slots(server, client):
-  body = json.dumps(dict(model="tiny", messages=CHAT, n=4, temperature=1.0, seed=3, stream=True))  # to the context's end
+  # no max_tokens: each sample may run to the context's end
+  body = json.dumps(dict(model="tiny", messages=CHAT, n=4, temperature=1.0, seed=3, stream=True))
   before = metric(sf.get(server.url + "/metrics"), "t5x_like_generated_tokens_total")
   request = urllib.request.Request(server.url + "/v1/chat/completions", data=body.encode(),
                                    headers={"Content-Type": "application/json"})

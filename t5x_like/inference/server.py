@@ -196,7 +196,8 @@ class Server:
       bad = [t for t in ids if not 0 <= t < self.model.engine.config.vocab_size]
       if bad:
         raise schema.ApiError(400, f"'prompt' has token ids outside the vocabulary [0, "
-                              f"{self.model.engine.config.vocab_size}): {bad[:5]}", param="prompt", code="invalid_token")
+                              f"{self.model.engine.config.vocab_size}): {bad[:5]}", param="prompt",
+                              code="invalid_token")
       out.append(ids)
     return out
 
