@@ -1,5 +1,6 @@
 """`python -m t5x_like.train --gin_file=... [--gin.NAME=VALUE ...]`: flags → gin → trainer.train()."""
 
+import importlib
 import sys
 
 from absl import flags
@@ -23,11 +24,17 @@ def main(argv):
     raise ValueError(f"unexpected arguments {argv[1:]}")
   gin_utils.parse_gin_flags()
   distributed.initialize_from_flags()  # before anything touches devices
+  config = gin_utils.train_config()
+  hook_factories = []
+  if config.observe.tasks:  # lm-eval (the eval extra) loads only for a run that evaluates tasks in the loop
+    in_loop = importlib.import_module("t5x_like.evaluation.in_loop")
+    hook_factories.append(in_loop.task_hook_factory(config.observe))
   try:
-    result = trainer.train(gin_utils.train_config(),
+    result = trainer.train(config,
                            gin_utils.configured(model.GPTConfig, "model"),
                            gin_utils.configured(optimizer.OptimizerConfig, "optimizer"),
-                           gin_utils.configured(precision.PrecisionConfig, "precision"))
+                           gin_utils.configured(precision.PrecisionConfig, "precision"),
+                           hook_factories=hook_factories)
   except fault_tolerance.RunStopped as e:  # preempted 75, save failed 74, non-finite 65
     print(f"stopped: {e}", file=sys.stderr, flush=True)
     if jax.process_count() > 1:

@@ -136,3 +136,71 @@ def test_evaluate_tasks_cli_runs_the_shipped_tasks_and_writes_lm_evals_results(c
   assert done.returncode == 1
   assert done.stderr.strip().splitlines()[-1].startswith("error: task 'copy_digits'"), done.stderr[-2000:]
   assert "--num_fewshot=50 but the data holds only 20" in done.stderr
+
+
+def _corpus_task(folder):
+  """A multiple-choice task over the shared test corpus's sentences (tests/conftest.write_corpus)."""
+  os.makedirs(folder, exist_ok=True)
+  rows = [{"context": "every host", "choices": [" restores tokens.", " blue sky."], "label": 0},
+          {"context": "the mesh", "choices": [" green grass.", " shards gradients."], "label": 1}] * 3
+  with open(os.path.join(folder, "hosts.jsonl"), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  with open(os.path.join(folder, "hosts.yaml"), "w") as f:
+    f.write("task: hosts\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: hosts.jsonl\n"
+            "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{context}}'\n"
+            "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\ntarget_delimiter: ''\n"
+            "metric_list:\n  - metric: acc\n")
+  return folder
+
+
+@pytest.mark.slow  # two training launches
+def test_tasks_in_the_training_loop_reach_metrics_tensorboard_and_the_plot(corpus, tmp_path):
+  from t5x_like.observe import plots  # pylint: disable=g-import-not-at-top
+  tasks = _corpus_task(str(tmp_path / "tasks"))
+  model_dir = str(tmp_path / "run")
+  flags = ["--gin.observe.ObserveConfig.tasks=('hosts',)", "--gin.observe.ObserveConfig.task_every=2",
+           f"--gin.observe.ObserveConfig.task_dir='{tasks}'"]
+  done = subprocess.run(launch_args(model_dir, corpus, 4) + flags, cwd=REPO, env=launch_env(), capture_output=True,
+                        text=True, timeout=400)
+  assert done.returncode == 0, done.stderr[-3000:]
+  records = plots.read_records(model_dir)
+  assert [r["step"] for r in records if "tasks/hosts/acc" in r] == [2, 4]
+  assert all(0 <= r["tasks/hosts/acc"] <= 1 for r in records if "tasks/hosts/acc" in r)
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tags = {v.tag for path in tf.io.gfile.glob(f"{model_dir}/events.out.tfevents*")
+          for event in tf.compat.v1.train.summary_iterator(path) for v in event.summary.value}
+  assert "tasks/hosts/acc" in tags
+  assert plots.task_panel({"run": records})[2] == [("tasks/hosts/acc", "o-", "hosts/acc")]
+  png = plots.plot_runs({"run": records}, str(tmp_path / "curves.png"))
+  assert os.path.getsize(png) > 1000
+  # a task that cannot load stops the start, before anything compiles, in one line
+  done = subprocess.run(launch_args(str(tmp_path / "bad"), corpus, 4) + flags[:1] + [
+      "--gin.observe.ObserveConfig.tasks=('nope',)", f"--gin.observe.ObserveConfig.task_dir='{tasks}'"],
+      cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=400)
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines()[-1].startswith("error: unknown task 'nope'"), done.stderr[-2000:]
+  assert not os.path.exists(tmp_path / "bad" / "metrics.jsonl")  # no step ran
+
+
+def test_a_task_failing_mid_run_is_reported_once_and_training_goes_on(monkeypatch, caplog):
+  from t5x_like.evaluation import in_loop  # pylint: disable=g-import-not-at-top
+  from t5x_like.observe import ObserveConfig  # pylint: disable=g-import-not-at-top
+  hook = object.__new__(in_loop.TaskEvalHook)
+  written = []
+
+  class Sink:
+    def write(self, step, scalars):
+      written.append((step, scalars))
+
+  hook.config, hook.sinks, hook.train_steps = ObserveConfig(tasks=("hosts",), task_every=1), [Sink()], 3
+  hook.failed, hook.last = False, {}
+
+  def broken(params):
+    raise FileNotFoundError("hosts.jsonl was removed")
+
+  monkeypatch.setattr(hook, "evaluate", broken)
+  state = type("State", (), {"params": {}})()
+  for step in (1, 2, 3):
+    hook(step, state, {})
+  assert written == [] and caplog.text.count("task evaluation failed") == 1
+  assert "hosts.jsonl was removed" in caplog.text

@@ -2,8 +2,8 @@
 
     python data/pystdlib/make_tasks.py            # rewrites configs/tasks/*.jsonl (deterministic for a stdlib)
 
-- pystdlib_next_line (multiple choice): six lines of a stdlib file; pick the real next line among it and three lines
-  of similar length drawn from other files.
+- pystdlib_next_line (multiple choice): six lines of a stdlib file and the first half of a seventh; pick that line's
+  real continuation among it and the continuations of three lines of similar length from other files.
 - pystdlib_cloze (log-likelihood, LAMBADA-style): four lines and the start of a fifth; the identifier that ends it.
 - copy_digits (generate_until, exact match): copy a list of digits after three solved examples.
 
@@ -36,6 +36,8 @@ def _good(line: str) -> bool:
 
 
 def next_line_items(files: list, rng: random.Random) -> list:
+  """The real second half of a code line (after its first half and the lines before it) against the second halves
+  of three lines of similar length from other files."""
   pool = [(f, line) for f in files for line in _code_lines(f) if _good(line)]
   items = []
   while len(items) < ITEMS:
@@ -44,14 +46,23 @@ def next_line_items(files: list, rng: random.Random) -> list:
     i = rng.randrange(CONTEXT_LINES, max(CONTEXT_LINES + 1, len(lines)))
     if i >= len(lines) or not _good(lines[i]):
       continue
-    similar = [line for f, line in rng.sample(pool, 400) if f != path and abs(len(line) - len(lines[i])) <= 12]
+    cut = _half(lines[i])
+    similar = [line[_half(line):] for f, line in rng.sample(pool, 400)
+               if f != path and abs(len(line) - len(lines[i])) <= 12 and line[_half(line):] != lines[i][cut:]]
     if len(similar) < 3:
       continue
-    choices = similar[:3] + [lines[i]]
+    choices = similar[:3] + [lines[i][cut:]]
     rng.shuffle(choices)
-    items.append({"context": "\n".join(lines[i - CONTEXT_LINES:i]) + "\n", "choices": choices,
-                  "label": choices.index(lines[i]), "source": os.path.basename(path)})
+    items.append({"context": "\n".join(lines[i - CONTEXT_LINES:i + 1])[:-(len(lines[i]) - cut)],
+                  "choices": choices, "label": choices.index(lines[i][cut:]), "source": os.path.basename(path)})
   return items
+
+
+def _half(line: str) -> int:
+  """Where a line is cut: the first space at or after its middle (the continuation starts with that space)."""
+  middle = len(line) // 2
+  space = line.find(" ", middle)
+  return space if space > 0 else middle
 
 
 def cloze_items(files: list, rng: random.Random) -> list:
