@@ -30,7 +30,9 @@ from t5x_like.parallel import global_batch
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.training import experiment as experiment_lib
+from t5x_like.inference import text as text_lib
 from t5x_like.posttrain import lora
+from t5x_like.training import runtime as runtime_lib
 from t5x_like.training import step as step_lib
 from t5x_like.training import train_state
 from t5x_like.training import trainer
@@ -360,7 +362,7 @@ def test_lora_kill_9_then_resume_is_bit_identical_and_merges_through_the_cli(cor
     np.testing.assert_allclose(got, np.asarray(want), rtol=1e-6, atol=1e-7)
   # infer: the LoRA run (base + adapters) and its merged checkpoint continue a prompt with the same tokens
   cfg = dataclasses.replace(TINY, **{k.split(".")[-1]: v for k, v in CLI_TINY.items()}, dtype="bfloat16")
-  samples = [experiment_lib.Experiment(run_config(d, corpus, lora_config=c), cfg, OPT).sample(
-      ["the trainer reads", "a shard"], max_new_tokens=6) for d, c in ((killed, lora.LoraConfig(rank=4)),
-                                                                       (str(tmp_path / "merged"), lora.LoraConfig()))]
+  # (no LoRA setting given: the runtime reads the LoRA run with the settings its checkpoint records)
+  samples = [text_lib.sample(runtime_lib.Runtime(run_config(d, corpus), cfg), ["the trainer reads", "a shard"],
+                             max_new_tokens=6) for d in (killed, str(tmp_path / "merged"))]
   assert samples[0] == (CLI_STEPS, samples[1][1]) and samples[1][0] == 0 and all(samples[0][1])
