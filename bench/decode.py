@@ -2,7 +2,7 @@
 continuous batching against fixed batches.
 
   python bench/decode.py [--num_layers 4 --d_model 256 --num_heads 8 --num_kv_heads 4 --d_ff 688
-                          --vocab_size 4096 --prompt_len 32 --new_tokens 128 --slots 8]
+                          --vocab_size 4096 --prompt_len 32 --new_tokens 128 --slots 8 --torch_threads 1]
 
 1. A random Llama-shaped GPTConfig (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head) is saved as a
    checkpoint and exported with the project's `to_hf` (interop/hf.py); transformers loads the folder
@@ -85,9 +85,13 @@ def hf_run(model, prompts, new_tokens: int) -> tuple:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   for name, default in (("num_layers", 4), ("d_model", 256), ("num_heads", 8), ("num_kv_heads", 4), ("d_ff", 688),
-                        ("vocab_size", 4096), ("prompt_len", 32), ("new_tokens", 128), ("slots", 8)):
+                        ("vocab_size", 4096), ("prompt_len", 32), ("new_tokens", 128), ("slots", 8),
+                        ("torch_threads", 1)):
     parser.add_argument(f"--{name}", type=int, default=default)
   args = parser.parse_args()
+  # PyTorch's OpenMP workers spin-wait: on a shared, loaded 2-core machine 2 threads made one forward pass of
+  # this model take 1.1 s instead of 30 ms with 1 (measured), so the reference runs single-threaded by default.
+  torch.set_num_threads(args.torch_threads)
   config = model_lib.GPTConfig(vocab_size=args.vocab_size, max_len=256, num_layers=args.num_layers,
                                num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, d_model=args.d_model,
                                d_ff=args.d_ff, dtype="float32", position_embedding="rope", norm="rmsnorm",
@@ -100,9 +104,9 @@ def main():
   mesh = mesh_lib.create_mesh({"data": 1}, devices=jax.devices()[:1])
   rules = partitioning.DEFAULT_RULES
   rng = np.random.RandomState(0)
-  print(f"CPU {cpu_name()}; jax {jax.__version__} ({jax.devices()[0].platform}), transformers "
-        f"{transformers.__version__}; Llama {model_lib.count_params(config):,} params, float32; prompt "
-        f"{args.prompt_len} tokens, {args.new_tokens} new tokens, greedy")
+  print(f"CPU {cpu_name()} ({os.cpu_count()} cores); jax {jax.__version__} ({jax.devices()[0].platform}), "
+        f"transformers {transformers.__version__} (torch {args.torch_threads} thread(s)); Llama "
+        f"{model_lib.count_params(config):,} params, float32; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy")
   print(f"{'batch':>5} {'engine tok/s':>13} {'HF tok/s':>9} {'engine TTFT ms':>15} {'HF TTFT ms':>11} "
         f"{'same tokens':>12}")
   for batch in (1, 32):
