@@ -106,7 +106,8 @@ def main():
   rng = np.random.RandomState(0)
   print(f"CPU {cpu_name()} ({os.cpu_count()} cores); jax {jax.__version__} ({jax.devices()[0].platform}), "
         f"transformers {transformers.__version__} (torch {args.torch_threads} thread(s)); Llama "
-        f"{model_lib.count_params(config):,} params, float32; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy")
+        f"{model_lib.count_params(config):,} params, float32; prompt {args.prompt_len} tokens, "
+        f"{args.new_tokens} new tokens, greedy")
   print(f"{'batch':>5} {'engine tok/s':>13} {'HF tok/s':>9} {'engine TTFT ms':>15} {'HF TTFT ms':>11} "
         f"{'same tokens':>12}")
   for batch in (1, 32):
