@@ -57,7 +57,7 @@ from t5x_like.recipes import dpo as dpo_recipe  # pylint: disable=g-import-not-a
 from t5x_like.recipes import reward as reward_recipe  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5x_like.training import checkpointing  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5x_like.training import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t5x_like.training import experiment as experiment_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5x_like.recipes import experiment as experiment_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5x_like.training import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 RUNS = ("sft", "dpo", "reward", "distill", "distill_chunk32")

@@ -29,7 +29,7 @@ from t5x_like.recipes import grpo as grpo_recipe
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
 from t5x_like import data as data_lib
-from t5x_like.training import experiment as experiment_lib
+from t5x_like.recipes import experiment as experiment_lib
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import trainer
 

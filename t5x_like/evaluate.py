@@ -24,7 +24,7 @@ from t5x_like.evaluation import tasks as lm_tasks
 from t5x_like.inference import chat_eval
 from t5x_like.training import optimizer
 from t5x_like.training.objectives import language_model
-from t5x_like.training import experiment
+from t5x_like.recipes import experiment
 
 gin_utils.define_gin_flags()
 flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the newest good one).")

@@ -23,7 +23,7 @@ from t5x_like.inference import chat_eval
 from tests.decode_reference import generate_by_recompute
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
-from t5x_like.training import experiment as experiment_lib
+from t5x_like.recipes import experiment as experiment_lib
 from t5x_like.training import optimizer as optimizer_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,7 +18,7 @@ from t5x_like.model import decoder as model_lib
 from t5x_like.parallel import global_batch
 from t5x_like.training import config as config_lib
 from t5x_like import data as data_lib
-from t5x_like.training import experiment as experiment_lib
+from t5x_like.recipes import experiment as experiment_lib
 from t5x_like.training import optimizer as optimizer_lib
 
 WORDS = ["the trainer", "a shard", "the mesh", "reads", "writes", "tokens", "batches", "records"]

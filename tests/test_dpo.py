@@ -28,7 +28,7 @@ from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
 from t5x_like.recipes import dpo as dpo_recipe
 from t5x_like import data as data_lib
-from t5x_like.training import experiment as experiment_lib
+from t5x_like.recipes import experiment as experiment_lib
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import step as step_lib
 from t5x_like.training import train_state

@@ -20,7 +20,7 @@ from t5x_like.training import checkpointing as checkpoints
 from t5x_like.training import fault_tolerance
 from t5x_like.observe import metrics as metrics_lib
 from t5x_like.parallel import global_batch
-from t5x_like.training import experiment
+from t5x_like.recipes import experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {"model.GPTConfig.num_layers": 1, "model.GPTConfig.d_model": 32, "model.GPTConfig.num_heads": 2,

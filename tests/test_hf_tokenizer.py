@@ -25,7 +25,7 @@ from t5x_like.model import decoder as model_lib
 from t5x_like.inference import text
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
-from t5x_like.training import experiment as experiment_lib
+from t5x_like.recipes import experiment as experiment_lib
 from t5x_like.training import optimizer as optimizer_lib
 from tests.decode_reference import generate_by_recompute
 

@@ -29,7 +29,7 @@ from t5x_like.observe import metrics as metrics_lib
 from t5x_like.parallel import global_batch
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
-from t5x_like.training import experiment as experiment_lib
+from t5x_like.recipes import experiment as experiment_lib
 from t5x_like.inference import text as text_lib
 from t5x_like.posttrain import lora
 from t5x_like.training import runtime as runtime_lib

@@ -30,7 +30,7 @@ from t5x_like.data import preprocessing as preprocess
 from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
-from t5x_like.training import experiment
+from t5x_like.recipes import experiment
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

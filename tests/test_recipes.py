@@ -19,7 +19,7 @@ from t5x_like.recipes import dpo as dpo_recipe
 from t5x_like.recipes import grpo as grpo_recipe
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
-from t5x_like.training import experiment as experiment_lib
+from t5x_like.recipes import experiment as experiment_lib
 from t5x_like.training import trainer
 
 

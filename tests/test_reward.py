@@ -26,7 +26,7 @@ from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
 from t5x_like.recipes import reward as reward_recipe
-from t5x_like.training import experiment as experiment_lib
+from t5x_like.recipes import experiment as experiment_lib
 from t5x_like.posttrain import reward_scoring
 from t5x_like.training import step as step_lib
 from t5x_like.training import train_state

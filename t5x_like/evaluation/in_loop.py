@@ -73,7 +73,7 @@ def task_hook_factory(config: ObserveConfig):
   def make(runtime, sinks, train_steps: int):
     if not config.tasks:
       return None
-    if getattr(runtime.config, "lora", None) is not None and getattr(runtime.config.lora, "rank", 0):
+    if runtime.config.use_lora:
       raise ValueError("ObserveConfig.tasks with LoRA (LoraConfig.rank > 0): in-loop task evaluation reads the "
                        "model's parameters; evaluate the run's checkpoints with evaluate --tasks instead")
     if jax.process_count() > 1:

@@ -2,7 +2,7 @@
 every parameter shape checked first: a DPO/GRPO reference, a distillation teacher (its own model config), a LoRA
 base; and the warm start of a reward model from a checkpoint without its score head.
 
-`FrozenModels` is a part of `Experiment` (training/experiment.py): it reads the run's config, mesh, rules, model
+`FrozenModels` is a part of `Experiment` (recipes/experiment.py): it reads the run's config, mesh, rules, model
 config and boxed parameters from it.
 """
 

@@ -12,7 +12,8 @@ import pkgutil
 
 # {recipe name: its module}, every module of this package (discovered, imported once).
 RECIPES = {info.name: importlib.import_module(f"{__name__}.{info.name}")
-           for info in pkgutil.iter_modules(__path__) if not info.name.startswith("_") and info.name != "base"}
+           for info in pkgutil.iter_modules(__path__)
+           if not info.name.startswith("_") and info.name not in ("base", "experiment")}  # experiment: the assembly
 
 
 def get(name: str):

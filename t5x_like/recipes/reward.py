@@ -27,7 +27,7 @@ class RewardConfig:
     if loss_scaled:
       raise ValueError(f"{NAME} with dynamic loss scaling (float16): not supported, the scaled step normalises by "
                        "tokens, not pairs; use bfloat16 or float32")
-    if run.config.lora.rank:
+    if run.config.use_lora:
       raise ValueError(f"{NAME} with LoRA (LoraConfig.rank > 0): the new score head would not train; use full or "
                        "selective fine-tuning")
     cfg = run.model_config

@@ -14,7 +14,6 @@ from typing import Any, Mapping, Optional
 from t5x_like.data import DataConfig
 from t5x_like.model import decoder
 from t5x_like.observe import ObserveConfig
-from t5x_like.posttrain.lora import LoraConfig  # until TrainConfig.lora moves to the recipes (training -> posttrain)
 from t5x_like.training.checkpointing import CheckpointConfig
 from t5x_like.training.curriculum import CurriculumConfig
 from t5x_like.training.fault_tolerance import FaultToleranceConfig
@@ -72,7 +71,9 @@ class TrainConfig:
   checkpoint: CheckpointConfig = CheckpointConfig()  # checkpointing.CheckpointConfig
   fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()  # fault_tolerance.FaultToleranceConfig
   observe: ObserveConfig = ObserveConfig()  # observe.ObserveConfig
-  lora: LoraConfig = LoraConfig()  # lora.LoraConfig; rank 0 = off
+  # lora.LoraConfig (posttrain/lora.py, built by cli.train_config()); None or rank 0 = no LoRA. Untyped here: the
+  # core does not import post-training (TrainConfig.use_lora reads it).
+  lora: Any = None
   curriculum: CurriculumConfig = CurriculumConfig()  # curriculum.CurriculumConfig; sequence-length warmup
   recipe: str = "language_model"  # the method: a module of t5x_like/recipes/ (dpo, reward, grpo, distill, ...)
   # the recipe's config (dpo.DpoConfig, ...), built by cli.train_config() from its gin bindings
@@ -88,9 +89,14 @@ class TrainConfig:
     for key in ("eval_every", "checkpoint_every"):
       if getattr(self, key) < 0:
         raise ValueError(f"TrainConfig.{key} must be >= 0, got {getattr(self, key)}")
-    if self.lora.rank and self.offload_optimizer:
+    if self.use_lora and self.offload_optimizer:
       raise ValueError("TrainConfig.offload_optimizer with LoRA (LoraConfig.rank > 0): the adapters' optimizer "
                        "state is tiny; turn offloading off")
+
+  @property
+  def use_lora(self) -> bool:
+    """Whether the run trains LoRA adapters (a lora.LoraConfig with rank > 0)."""
+    return self.lora is not None and bool(self.lora.rank)
 
   @property
   def trainable_regex(self) -> str:

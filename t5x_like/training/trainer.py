@@ -6,6 +6,7 @@ guard, so it can be driven in-process by tests.
 """
 
 import contextlib
+import importlib
 from typing import Callable, Optional, Sequence
 
 from absl import logging
@@ -30,7 +31,22 @@ from t5x_like.training import hooks as hooks_lib
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import precision
 from t5x_like.training.config import TrainConfig
-from t5x_like.training.experiment import Experiment
+
+
+# What assembles a run (recipes/experiment.py: Experiment, over the recipes) registers itself here: the loop sits
+# below the methods and never imports one.
+_BUILDERS = {}
+
+
+def register_experiment(builder: Callable) -> None:
+  """builder(config, model_config, optimizer_config, precision_config) → the run's Experiment."""
+  _BUILDERS["experiment"] = builder
+
+
+def experiment_builder() -> Callable:
+  if "experiment" not in _BUILDERS:
+    importlib.import_module("t5x_like.recipes.experiment")  # it registers itself
+  return _BUILDERS["experiment"]
 
 
 def run_loop(*, state, start: int, train_steps: int, next_batch: Callable[[int], dict], step_fn: Callable,
@@ -90,7 +106,7 @@ class _PrometheusSink:
     self.exporter.update(scalars, step=step, train_steps=self.train_steps)
 
 
-def initial_state(exp: Experiment, manager, train_iter) -> tuple:
+def initial_state(exp, manager, train_iter) -> tuple:
   """Where a launch starts: MODEL_DIR's newest good checkpoint (a resumed fine-tune continues from its own
   checkpoint, never the base), else a fresh state, warm-started from CheckpointConfig.warm_start_from
   (INITIAL_CHECKPOINT_PATH) after checking its shapes. Under LoRA the base is loaded as the frozen model:
@@ -149,7 +165,7 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
     logging.info("sequence-length warmup over %d steps through lengths %s",
                  config.curriculum.seq_len_warmup_steps,
                  curriculum.lengths(config.curriculum, config.seq_len, config.loss_chunk))
-  exp = Experiment(config, model_config, optimizer_config, precision_config)
+  exp = experiment_builder()(config, model_config, optimizer_config, precision_config)
   is_primary = jax.process_index() == 0
   fault_tolerance.check_writable(config.model_dir)
   tf.io.gfile.makedirs(config.model_dir)

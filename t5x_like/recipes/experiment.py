@@ -28,6 +28,7 @@ from t5x_like.posttrain import rollout
 from t5x_like.training import step as step_lib
 from t5x_like.training import train_state as train_state_lib
 from t5x_like.training import trainable as trainable_lib
+from t5x_like.training import trainer
 from t5x_like.training.config import TrainConfig
 from t5x_like.posttrain import grpo
 from t5x_like.posttrain import distill
@@ -51,7 +52,8 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     recipe = config.recipe_config  # the method's config (t5x_like/recipes/<TrainConfig.recipe>.py)
     super().__init__(config, model_config, scored=getattr(recipe, "scored_model", False))  # reward: the score head
     self.precision_config = precision_config or precision.PrecisionConfig()
-    lora_lib.validate(config.lora, self.model_config)  # LoRA dropout: not with pipeline stages
+    if config.use_lora:
+      lora_lib.validate(config.lora, self.model_config)  # LoRA dropout: not with pipeline stages
     # The objective over the model's parameters; under LoRA, `objective` wraps it to take adapters.
     self.model_objective = recipe.make_objective(self, loss_scaled=self.initial_loss_scale() is not None)
     # distillation: the teacher's model config and the file it was read from
@@ -61,7 +63,7 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     self.tx = optimizer_lib.make_optimizer(optimizer_config, config.train_steps)
     self.batch_sharding = partitioning.batch_sharding(self.mesh, self.rules)
     self.frozen, self.frozen_shardings = {}, {}
-    self.lora = config.lora if config.lora.rank else None
+    self.lora = config.lora if config.use_lora else None
     self.lora_base = None  # under LoRA: the base's checkpoints/<step> directory, once loaded
     self.reference = None  # preference objectives: the reference's checkpoints/<step> directory, once loaded
     self.teacher = None  # distillation: the teacher's checkpoints/<step> directory, once loaded
@@ -293,3 +295,6 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
       _, path = checkpointing.step_dir(self.config.model_dir, found)
       self.load_teacher(checkpointing.read_metadata(path).get("teacher_checkpoint"))
     return {"step": int(found), "split": split, **self.evaluate(params, split=split)}
+
+
+trainer.register_experiment(Experiment)
