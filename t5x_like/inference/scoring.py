@@ -156,14 +156,13 @@ class Scorer:
 
   def _score_rows(self, rows) -> tuple:
     """Per row (inputs, targets, n): the log-probs and greedy flags of its last n targets."""
-    logps, greedy = [], []
+    pending = []  # every batch dispatched before the first result is read: the device never waits on the host
     for tokens, segments, targets, _ in self._batches(rows):
       with self.context():
         put = lambda x: jax.device_put(x, self.batch_sharding)
-        lp, top = self._token_scores(self.params, put(tokens), put(segments), put(targets))
-      logps.append(_host(lp))
-      greedy.append(_host(top))
-    logps, greedy = np.concatenate(logps), np.concatenate(greedy)
+        pending.append(self._token_scores(self.params, put(tokens), put(segments), put(targets)))
+    logps = np.concatenate([_host(lp) for lp, _ in pending])
+    greedy = np.concatenate([_host(top) for _, top in pending])
     out_lp, out_greedy = [], []
     for i, (x, _, n) in enumerate(rows):
       out_lp.append(logps[i, len(x) - n:len(x)])
@@ -174,9 +173,12 @@ class Scorer:
     """(log p of each target (B, T) float32, whether it is the argmax (B, T)) from one forward pass."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)
     logits = self.model.apply({"params": params}, tokens, positions, segments)  # (B, T, V) float32
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return picked, jnp.argmax(logits, axis=-1) == targets
+    # log p = logit − logsumexp and greedy = (the target's logit is the largest): two reductions over V, no
+    # (B, T, V) log-softmax written out
+    top = jnp.max(logits, axis=-1)  # (B, T)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    lse = top + jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1))
+    return target_logit - lse, target_logit >= top
 
   def _last_scores_fn(self, params, tokens, segments, lengths):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)
