@@ -8,6 +8,7 @@ import sys
 import pytest
 
 transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
 
 from t5x_like.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
 from tests.test_fault_tolerance import REPO, launch_args, launch_env  # pylint: disable=g-import-not-at-top
@@ -32,8 +33,10 @@ def test_pretraining_run_exports_its_data_dirs_tokenizer(corpus, tmp_path):
   done = _convert(model_dir, out)
   assert done.returncode == 0, done.stderr[-2000:]
   ours = tokenizer_lib.load(data_dir)
-  loaded = transformers.AutoTokenizer.from_pretrained(out)
-  assert loaded(TEXT, add_special_tokens=False).input_ids == ours.encode(TEXT)
+  assert os.path.exists(os.path.join(out, "tokenizer.json")), (os.listdir(out), done.stderr[-2000:])
+  exported = tokenizers.Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
+  assert exported.encode(TEXT, add_special_tokens=False).ids == ours.encode(TEXT)
+  transformers.AutoTokenizer.from_pretrained(out)  # transformers loads the folder
   # The DATA_DIR gone: the weights are still written, and one line says where no tokenizer was found.
   shutil.rmtree(data_dir)
   done = _convert(model_dir, str(tmp_path / "hf2"))
@@ -42,3 +45,11 @@ def test_pretraining_run_exports_its_data_dirs_tokenizer(corpus, tmp_path):
   assert len(lines) == 1 and model_dir in lines[0], done.stderr[-2000:]
   assert os.path.exists(tmp_path / "hf2" / "config.json")
   assert not any("tokenizer" in name for name in os.listdir(tmp_path / "hf2"))
+
+
+def test_the_data_dir_is_read_when_gin_wraps_a_long_path(tmp_path):
+  from t5x_like.interop import hf  # pylint: disable=g-import-not-at-top
+  long_path = "/data/" + "x" * 90
+  (tmp_path / "config.gin").write_text(f"DATA_DIR = \\\n    '{long_path}'\nMODEL_DIR = '/r'\n")
+  assert hf.run_data_dir(str(tmp_path), {}) == long_path
+  assert hf.run_data_dir(str(tmp_path), {"gin_config": "DATA_DIR = '/short'\n"}) == "/short"

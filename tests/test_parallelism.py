@@ -292,7 +292,7 @@ def test_offload_is_refused_where_the_backend_has_no_host_memory(monkeypatch):
 
 def test_trainer_validate_layout_applies_the_model_checks():
   from t5x_like.training import config as config_lib  # pylint: disable=g-import-not-at-top
-  from t5x_like.training import experiment  # pylint: disable=g-import-not-at-top  (imports TensorFlow)
+  from t5x_like.recipes import experiment  # pylint: disable=g-import-not-at-top  (imports TensorFlow)
   mesh = mesh_lib.create_mesh({"tensor": 8})
   config = config_lib.TrainConfig(batch_size=BATCH, mesh_shape={"tensor": 8})
   experiment.validate_layout(config, mesh, CFG)

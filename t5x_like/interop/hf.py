@@ -226,7 +226,8 @@ def run_data_dir(model_dir: str, metadata: dict) -> Optional[str]:
     with tf.io.gfile.GFile(config_gin) as f:
       texts.append(f.read())
   for text in texts:
-    found = re.search(r"^DATA_DIR\s*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+    # gin wraps a long value onto the next line: `DATA_DIR = \` then the quoted path
+    found = re.search(r"^DATA_DIR\s*=\s*(?:\\\s*)?['\"]([^'\"]+)['\"]", text, re.MULTILINE)
     if found:
       return found.group(1)
   return None
