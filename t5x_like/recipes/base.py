@@ -1,4 +1,4 @@
-"""What the recipes share: the reference-model setting of DPO and GRPO, and the DATA_DIR format check."""
+"""What the recipes share: the reference-model setting of DPO and GRPO, the DATA_DIR format check, the pair checks."""
 
 import dataclasses
 
@@ -17,3 +17,19 @@ def check_format(run, expected: str, what: str) -> None:
   if manifest is not None and manifest.get("format", "text") != expected:
     raise ValueError(f"{what} reads a {expected} DATA_DIR (python -m t5x_like.preprocess --format={expected}): "
                      f"DATA_DIR '{run.config.data_dir}' has format {manifest.get('format', 'text')!r}")
+
+
+def check_pairs(run, loss_scaled: bool, what: str) -> int:
+  """The checks of a method trained on preference pairs (DPO family, reward model); returns the pairs a row holds.
+
+  Raises:
+    ValueError: one line naming the setting that does not fit pairs.
+  """
+  check_format(run, "preference", what)
+  if run.config.curriculum.enabled():
+    raise ValueError(f"{what} with a sequence-length warmup (CurriculumConfig): cutting rows would split pairs; "
+                     "turn the warmup off")
+  if loss_scaled:
+    raise ValueError(f"{what} with dynamic loss scaling (float16): not supported, the scaled step normalises by "
+                     "tokens, not pairs; use bfloat16 or float32")
+  return int((run.manifest or {}).get("max_pairs_per_row") or 1)

@@ -21,16 +21,9 @@ class DpoConfig(base.ReferenceConfig):
   gamma: float = 0.5  # SimPO's target reward margin γ
 
   def make_objective(self, run, *, loss_scaled: bool):
-    base.check_format(run, "preference", NAME)
-    if run.config.curriculum.enabled():
-      raise ValueError(f"{NAME} with a sequence-length warmup (CurriculumConfig): cutting rows would split pairs; "
-                       "turn the warmup off")
-    if loss_scaled:
-      raise ValueError(f"{NAME} with dynamic loss scaling (float16): not supported, the scaled step normalises by "
-                       "tokens, not pairs; use bfloat16 or float32")
-    return preference.Preference(run.model.apply, loss_type=self.loss_type, beta=self.beta,
-                                             gamma=self.gamma,
-                                             max_pairs=int((run.manifest or {}).get("max_pairs_per_row") or 1))
+    max_pairs = base.check_pairs(run, loss_scaled, NAME)
+    return preference.Preference(run.model.apply, loss_type=self.loss_type, beta=self.beta, gamma=self.gamma,
+                                 max_pairs=max_pairs)
 
 
 CONFIG = DpoConfig

@@ -20,19 +20,13 @@ class RewardConfig:
   scored_model = True  # the model carries the score head (a class constant, not a gin setting)
 
   def make_objective(self, run, *, loss_scaled: bool):
-    base.check_format(run, "preference", NAME)
-    if run.config.curriculum.enabled():
-      raise ValueError(f"{NAME} with a sequence-length warmup (CurriculumConfig): cutting rows would split pairs; "
-                       "turn the warmup off")
-    if loss_scaled:
-      raise ValueError(f"{NAME} with dynamic loss scaling (float16): not supported, the scaled step normalises by "
-                       "tokens, not pairs; use bfloat16 or float32")
+    max_pairs = base.check_pairs(run, loss_scaled, NAME)
     if run.config.use_lora:
       raise ValueError(f"{NAME} with LoRA (LoraConfig.rank > 0): the new score head would not train; use full or "
                        "selective fine-tuning")
     cfg = run.model_config
     return reward.Reward(run.model.apply, lambda params, hidden: heads.project_scores(params, hidden, cfg),
-                                     max_pairs=int((run.manifest or {}).get("max_pairs_per_row") or 1))
+                         max_pairs=max_pairs)
 
 
 CONFIG = RewardConfig
