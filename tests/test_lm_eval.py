@@ -24,21 +24,25 @@ from tests.test_fault_tolerance import REPO, launch_args, launch_env  # pylint: 
 WORDS = ["the quick brown fox", "jumps over the lazy dog;", "hello world, hello there.", "the lazy fox"]
 
 
-def _mc_task(folder, items=12, seed=0):
-  """A multiple-choice task over the hf_reference tokenizer's text: which ending follows the context."""
-  rng = np.random.default_rng(seed)
+def _write_mc_task(folder, name, rows):
+  """An lm-eval multiple-choice task `name` over `rows` ({"context", "choices", "label"}) in `folder`."""
   os.makedirs(folder, exist_ok=True)
-  with open(os.path.join(folder, "ends.jsonl"), "w") as f:
-    for _ in range(items):
-      context = " ".join(rng.choice(WORDS, 2))
-      f.write(json.dumps({"context": context, "choices": [" " + w for w in WORDS], "label": int(rng.integers(4))})
-              + "\n")
-  with open(os.path.join(folder, "ends.yaml"), "w") as f:
-    f.write("task: ends\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: ends.jsonl\n"
+  with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  with open(os.path.join(folder, f"{name}.yaml"), "w") as f:
+    f.write(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {name}.jsonl\n"
             "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{context}}'\n"
             "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\ntarget_delimiter: ''\n"
             "metric_list:\n  - metric: acc\n")
   return folder
+
+
+def _mc_task(folder, items=12, seed=0):
+  """A multiple-choice task over the hf_reference tokenizer's text: which ending follows the context."""
+  rng = np.random.default_rng(seed)
+  rows = [{"context": " ".join(rng.choice(WORDS, 2)), "choices": [" " + w for w in WORDS],
+           "label": int(rng.integers(4))} for _ in range(items)]
+  return _write_mc_task(folder, "ends", rows)
 
 
 class HFReference(TemplateLM):
@@ -140,17 +144,9 @@ def test_evaluate_tasks_cli_runs_the_shipped_tasks_and_writes_lm_evals_results(c
 
 def _corpus_task(folder):
   """A multiple-choice task over the shared test corpus's sentences (tests/conftest.write_corpus)."""
-  os.makedirs(folder, exist_ok=True)
   rows = [{"context": "every host", "choices": [" restores tokens.", " blue sky."], "label": 0},
           {"context": "the mesh", "choices": [" green grass.", " shards gradients."], "label": 1}] * 3
-  with open(os.path.join(folder, "hosts.jsonl"), "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in rows)
-  with open(os.path.join(folder, "hosts.yaml"), "w") as f:
-    f.write("task: hosts\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: hosts.jsonl\n"
-            "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{context}}'\n"
-            "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\ntarget_delimiter: ''\n"
-            "metric_list:\n  - metric: acc\n")
-  return folder
+  return _write_mc_task(folder, "hosts", rows)
 
 
 @pytest.mark.slow  # two training launches
