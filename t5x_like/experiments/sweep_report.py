@@ -118,10 +118,7 @@ def plot_eval_curves(runs: list, out: str, dpi: int = 110) -> str:
   if ax.lines:
     ax.legend(fontsize="small")
   fig.tight_layout()
-  with epath.Path(out).open("wb") as f:
-    fig.savefig(f, dpi=dpi, format="png")
-  plots.plt.close(fig)
-  return out
+  return plots.save_figure(fig, out, dpi)
 
 
 def write_report(runs: list, grid_keys: list, output_dir: str) -> dict:

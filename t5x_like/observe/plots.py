@@ -88,6 +88,11 @@ def plot_runs(runs: dict, out: str, dpi: int = 110) -> str:
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
       ax.legend(fontsize="small")
+  return save_figure(fig, out, dpi)
+
+
+def save_figure(fig, out: str, dpi: int = 110) -> str:
+  """Writes a matplotlib figure as a PNG (local or gs://, its folder made) and closes it; returns `out`."""
   path = epath.Path(out)
   path.parent.mkdir(parents=True, exist_ok=True)
   with path.open("wb") as f:

@@ -174,7 +174,4 @@ def plot_fit(fit: scaling_law.Fit, points: Points, out: str, held_out: Points = 
   ax.grid(alpha=0.3, which="both")
   ax.legend(fontsize="small")
   fig.tight_layout()
-  with epath.Path(out).open("wb") as f:
-    fig.savefig(f, dpi=dpi, format="png")
-  plots.plt.close(fig)
-  return out
+  return plots.save_figure(fig, out, dpi)
