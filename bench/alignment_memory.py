@@ -110,10 +110,8 @@ def run(name: str, run_kind: str, student, teacher_dir: str, base_dir: str, args
                                   loss_chunk=32 if run_kind == "distill_chunk32" else 0,
                                   checkpoint=checkpointing.CheckpointConfig(warm_start_from=base_dir))
   exp = experiment_lib.Experiment(config, student, optimizer_lib.OptimizerConfig(learning_rate=1e-4))
-  if exp.needs_reference:
-    exp.load_reference()
-  if exp.needs_teacher:
-    exp.load_teacher()
+  for spec in exp.frozen_specs:  # a reference, a teacher
+    exp.load_frozen_model(spec.name)
   report = exp.startup_report()
   out = {"run": run_kind, "params": report["memory/params_bytes_per_device"],
          "opt_state": report["memory/opt_state_bytes_per_device"],

@@ -1,4 +1,5 @@
-"""`python -m t5x_like.train --gin_file=... [--gin.NAME=VALUE ...]`: flags → gin → trainer.train()."""
+"""`python -m t5x_like.train --gin_file=... [--gin.NAME=VALUE ...] [--check]`: flags → gin → trainer.train()
+(or trainer.check(): the whole configuration checked, nothing compiled or written)."""
 
 import importlib
 import sys
@@ -17,6 +18,8 @@ from t5x_like.training import trainer
 
 gin_utils.define_gin_flags()
 distributed.define_flags()
+flags.DEFINE_bool("check", False, "check the whole run configuration (layout, recipe, data, the shapes of every "
+                  "checkpoint it reads), print the start-up report and exit, compiling and writing nothing")
 
 
 def main(argv):
@@ -29,6 +32,14 @@ def main(argv):
   if config.observe.tasks:  # lm-eval (the eval extra) loads only for a run that evaluates tasks in the loop
     in_loop = importlib.import_module("t5x_like.evaluation.in_loop")
     hook_factories.append(in_loop.task_hook_factory(config.observe))
+  if flags.FLAGS.check:
+    report = trainer.check(config, gin_utils.configured(model.GPTConfig, "model"),
+                           gin_utils.configured(optimizer.OptimizerConfig, "optimizer"),
+                           gin_utils.configured(precision.PrecisionConfig, "precision"))
+    for key, value in report.items():
+      print(f"{key} {value:,}" if isinstance(value, int) else f"{key} {value:.4g}")
+    print("configuration OK")
+    return
   try:
     result = trainer.train(config,
                            gin_utils.configured(model.GPTConfig, "model"),

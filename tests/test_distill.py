@@ -132,8 +132,8 @@ OPT = optimizer_lib.OptimizerConfig(learning_rate=1e-2, warmup_steps=2, weight_d
 def test_teachers_of_another_vocabulary_or_architecture_are_one_line_errors(corpus, tmp_path):
   ok = write_teacher(tmp_path / "ok", TEACHER, dpo.host_params(TEACHER, seed=0))
   exp = experiment_lib.Experiment(run_config(tmp_path / "r", corpus, ok), STUDENT, OPT)
-  assert exp.teacher_config.d_model == 128 and exp.teacher_config.vocab_size == exp.model_config.vocab_size == 512
-  assert exp.load_teacher() == os.path.join(ok, "checkpoints", "0")
+  assert exp.frozen_spec(distill.TEACHER).model_config.d_model == 128 and exp.frozen_spec(distill.TEACHER).model_config.vocab_size == exp.model_config.vocab_size == 512
+  assert exp.load_frozen_model(distill.TEACHER) == os.path.join(ok, "checkpoints", "0")
   assert exp.startup_report()["memory/frozen_teacher_bytes_per_device"] == 4 * sum(
       x.size for x in jax.tree.leaves(exp.frozen[distill.TEACHER]))
   # another vocabulary (its model.gin says 1024)
@@ -149,7 +149,7 @@ def test_teachers_of_another_vocabulary_or_architecture_are_one_line_errors(corp
   with pytest.raises(ValueError, match=r"teacher model \(TEACHER_CHECKPOINT_PATH, model config .*arch/model.gin\) "
                                        r".*blocks/mlp_in/bias: checkpoint \(2, 256\) vs model config \(2, 512\) — "
                                        r"GPTConfig.d_ff") as raised:
-    exp.load_teacher()
+    exp.load_frozen_model(distill.TEACHER)
   assert "\n" not in str(raised.value)
   # no model config beside the checkpoint; no teacher at all
   bare = str(tmp_path / "bare")

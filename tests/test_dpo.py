@@ -245,7 +245,7 @@ def test_reference_of_another_shape_is_a_one_line_error_naming_the_parameter(pre
   checkpointing.save_params(ref_dir, jax.tree.map(lambda x: np.zeros(x.shape, np.float32), partitioning.unbox(boxed)))
   exp = experiment_lib.Experiment(run_config(tmp_path / "run", prefs[0], base="unused", reference=ref_dir), TINY, OPT)
   with pytest.raises(ValueError, match=message) as raised:
-    exp.load_reference()
+    exp.load_frozen_model(preference.REFERENCE)
   assert "\n" not in str(raised.value) and "reference model" in str(raised.value) and ref_dir in str(raised.value)
 
 
@@ -254,9 +254,9 @@ def test_preference_objective_refuses_other_data_and_a_missing_reference(prefs, 
     experiment_lib.Experiment(run_config(tmp_path / "r", corpus), TINY, OPT)
   exp = experiment_lib.Experiment(run_config(tmp_path / "r", prefs[0]), TINY, OPT)
   with pytest.raises(ValueError, match="needs a reference model: set REFERENCE_CHECKPOINT_PATH"):
-    exp.load_reference()
+    exp.load_frozen_model(preference.REFERENCE)
   assert not experiment_lib.Experiment(run_config(tmp_path / "r", prefs[0], loss_type="simpo"), TINY,
-                                       OPT).needs_reference
+                                       OPT).frozen_specs
   with pytest.raises(ValueError, match="holds preference pairs: language modelling would learn the rejected"):
     experiment_lib.Experiment(run_config(tmp_path / "r", prefs[0], recipe_config=config_lib.LanguageModelConfig()), TINY,
                               OPT)

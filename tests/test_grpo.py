@@ -192,7 +192,7 @@ def test_fine_tuning_teaches_a_generated_chat_task_the_base_cannot_do(chat_data,
 def test_prompts_are_the_conversations_before_their_last_assistant_turn(chat_data, tmp_path):
   (data_dir, train_file, _), sft_dir = chat_data, ""  # nothing is restored to read prompts
   exp = experiment_lib.Experiment(grpo_config(tmp_path, data_dir, sft_dir), MODEL, GRPO_OPT)
-  prompts = exp.rollouts.train
+  prompts = exp.recipe.rollouts(exp).train
   assert not any(prompts.skipped.values()) and len(prompts.prompts) == exp.manifest["splits"]["train"]["num_documents"]
   encoder = chat_eval.encoder_for(exp, chat.ChatTemplate())
   lines = {tuple(encoder.prompt_ids(line.messages)): line.reference
@@ -201,8 +201,8 @@ def test_prompts_are_the_conversations_before_their_last_assistant_turn(chat_dat
     assert lines[tuple(ids)] == reference
   # a row too short for the answer budget leaves no prompt: named, with the key to change
   with pytest.raises(ValueError, match=r"split 'train' has no usable GRPO prompt .*no_room_for_max_new_tokens"):
-    _ = experiment_lib.Experiment(grpo_config(tmp_path, data_dir, sft_dir, max_new_tokens=30), MODEL,
-                                  GRPO_OPT).rollouts
+    short = experiment_lib.Experiment(grpo_config(tmp_path, data_dir, sft_dir, max_new_tokens=30), MODEL, GRPO_OPT)
+    short.recipe.rollouts(short)
 
 
 def test_bad_grpo_configurations_are_one_line_errors_naming_the_key(chat_data, corpus, tmp_path):
@@ -269,9 +269,9 @@ def test_a_learned_reward_scores_each_prompt_and_completion_with_the_reward_mode
         "mlp_activation", "use_bias", "vocab_size"))
   with exp.context():
     _, params = checkpointing.restore_params(sft_dir, abstract_params=exp.abstract_with_shardings().params)
-    batch, host = exp.rollouts.batch(params, 1)
+    batch, host = exp.recipe.rollouts(exp).batch(params, 1)
   rows = {k: np.asarray(v) for k, v in batch.items()}
-  end = exp.rollouts.encoder.marker_ids["end"]
+  end = exp.recipe.rollouts(exp).encoder.marker_ids["end"]
   sequences = []
   # greedy: the G samples of a prompt are one completion, so one row a group is checked (each group's first)
   group_rows = lambda x: x[::GROUP]

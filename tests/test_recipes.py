@@ -3,6 +3,7 @@ two things, and a LoRA DPO run's reference = its base with the adapters off (the
 
 import dataclasses
 import os
+import tokenize
 
 import gin
 import jax
@@ -109,3 +110,40 @@ def test_an_older_runs_config_gin_still_parses_with_its_objective_mapped_to_the_
     gin.clear_config()
   assert config.recipe_config == expected and config.seq_len == 128
   assert "bindings of an older version" in caplog.text and "GPTConfig.score_head" in caplog.text
+
+
+def test_the_assembly_and_the_loop_name_no_method():
+  """A method lives in its recipe: the assembly (recipes/experiment.py), the frozen-model loader and the loop import
+  no method's objective and branch on none (a new method touches none of them)."""
+  methods = {"preference", "grpo", "distill", "reward", "rollout", "rollouts", "is_grpo", "needs_teacher",
+             "needs_reference", "teacher", "reference", "Preference", "Grpo", "Distill", "Reward", "REFERENCE",
+             "TEACHER"}
+  for path in ("t5x_like/recipes/experiment.py", "t5x_like/posttrain/frozen_models.py",
+               "t5x_like/training/trainer.py", "t5x_like/training/step.py"):
+    with open(os.path.join(cli.REPO_ROOT, path), encoding="utf-8") as f:  # names in the code, not its comments
+      names = {tok.string for tok in tokenize.generate_tokens(f.readline) if tok.type == tokenize.NAME}
+    assert not names & methods, (path, names & methods)
+
+
+def test_check_validates_the_whole_run_in_one_pass_and_writes_nothing(prefs, tmp_path):
+  base_dir, ref_dir = str(tmp_path / "base"), str(tmp_path / "ref")
+  checkpointing.save_params(base_dir, host_params(dataclasses.replace(TINY, vocab_size=512), seed=2))
+  model_dir = tmp_path / "run"
+  report = trainer.check(run_config(model_dir, prefs[0], base=base_dir), TINY, OPT)
+  assert report["params/trainable_fraction"] == 1.0 and report["memory/frozen_reference_bytes_per_device"] > 0
+  assert not model_dir.exists()  # nothing written, nothing compiled
+  # a reference of another shape: one line naming the parameter, before anything compiles or restores
+  checkpointing.save_params(ref_dir, host_params(dataclasses.replace(TINY, vocab_size=512, d_ff=32), seed=2))
+  with pytest.raises(ValueError, match=r"reference model \(REFERENCE_CHECKPOINT_PATH\).*mlp_in.*GPTConfig.d_ff"):
+    trainer.check(run_config(model_dir, prefs[0], base=base_dir, reference=ref_dir), TINY, OPT)
+  with pytest.raises(ValueError, match=r"INITIAL_CHECKPOINT_PATH is empty"):
+    trainer.check(run_config(model_dir, prefs[0]), TINY, OPT)
+  with pytest.raises(ValueError, match=r"initial checkpoint \(INITIAL_CHECKPOINT_PATH\).*token_embedding"):
+    trainer.check(run_config(model_dir, prefs[0], base=_other_vocab(tmp_path)), TINY, OPT)
+  assert not model_dir.exists()
+
+
+def _other_vocab(tmp_path):
+  path = str(tmp_path / "vocab1024")
+  checkpointing.save_params(path, host_params(dataclasses.replace(TINY, vocab_size=1024), seed=2))
+  return path

@@ -1,12 +1,13 @@
 """The frozen models a run restores beside its own state, each on the run's mesh by the same rules table and with
-every parameter shape checked first: a DPO/GRPO reference, a distillation teacher (its own model config), a LoRA
-base; and the warm start of a reward model from a checkpoint without its score head.
+every parameter shape checked first: the models a recipe declares (`Frozen`: a DPO/GRPO reference, a distillation
+teacher with its own model config), a LoRA base; and the warm start of a reward model from a checkpoint without its
+score head.
 
 `FrozenModels` is a part of `Experiment` (recipes/experiment.py): it reads the run's config, mesh, rules, model
-config and boxed parameters from it.
+config, boxed parameters and the recipe's `Frozen` declarations from it. It knows no method by name.
 """
 
-import functools
+import dataclasses
 from typing import Optional
 
 from absl import logging
@@ -21,9 +22,8 @@ from t5x_like.parallel import axis_names as ax
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
 from t5x_like.training import fault_tolerance
+from t5x_like.training import train_state as train_state_lib
 from t5x_like.posttrain import lora as lora_lib
-from t5x_like.posttrain import distill
-from t5x_like.posttrain import preference
 
 # The model config field each logical parameter axis comes from (named in shape-mismatch errors).
 AXIS_FIELDS = {ax.VOCAB: "GPTConfig.vocab_size", ax.EMBED: "GPTConfig.d_model", ax.MLP: "GPTConfig.d_ff",
@@ -32,17 +32,41 @@ AXIS_FIELDS = {ax.VOCAB: "GPTConfig.vocab_size", ax.EMBED: "GPTConfig.d_model", 
                ax.POSITION: "GPTConfig.max_len", ax.NORM: "GPTConfig.d_model", ax.EXPERT: "GPTConfig.num_experts"}
 
 
+NO_LORA_BASE = ("LoRA (LoraConfig.rank > 0) needs a base model: set INITIAL_CHECKPOINT_PATH "
+                "(CheckpointConfig.warm_start_from) to its MODEL_DIR or checkpoints/<step>")
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+  """A frozen model a recipe's objective reads as `frozen[name]` (recipe.frozen_models(run) declares it)."""
+  name: str  # its key in the objective's `frozen` ('reference', 'teacher'); also its start-up report line
+  path: str  # the configured checkpoint: a MODEL_DIR, checkpoints/<step> or converted checkpoint ('' = none set)
+  what: str  # in errors and logs: "reference model (REFERENCE_CHECKPOINT_PATH)"
+  missing: str  # the one-line error when `path` is empty
+  # None: the run's own model (under LoRA, the base itself when `path` is the base: the adapters switched off,
+  # no second copy); else its own model config (a larger teacher), laid out by the same rules
+  model_config: Optional[model_lib.GPTConfig] = None
+
+  @property
+  def record(self) -> str:
+    """The metadata key the run's checkpoints pin it under, so that a resumed run keeps it."""
+    return f"{self.name}_checkpoint"
+
+
 class FrozenModels:
-  """Restoring frozen models (parameters only, no optimizer state) into an Experiment's `frozen` dict."""
+  """Restoring frozen models (parameters only, no optimizer state) into an Experiment's `frozen` dict.
+
+  The Experiment sets `frozen_specs` (its recipe's `Frozen` declarations), `frozen`, `frozen_shardings`, `loaded`
+  ({name: the checkpoints/<step> read}), `lora` and `lora_base`.
+  """
 
   def load_frozen(self, saved_metadata: Optional[dict], restored_step: Optional[int]) -> dict:
     """Loads the frozen models this run's method reads, before training starts; returns what its checkpoints
     record about them ({'lora': {...}}, {'reference_checkpoint': path}, {'teacher_checkpoint': path}).
 
     Under LoRA the base: on resume (`saved_metadata` of checkpoint `restored_step`) the one the checkpoint names,
-    else INITIAL_CHECKPOINT_PATH's newest step. A DPO/IPO/GRPO reference (REFERENCE_CHECKPOINT_PATH, default
-    INITIAL_CHECKPOINT_PATH) and a distillation teacher (TEACHER_CHECKPOINT_PATH) likewise: a resumed run keeps
-    those its checkpoints name.
+    else INITIAL_CHECKPOINT_PATH's newest step. Each model the recipe declares likewise: a resumed run keeps the
+    one its checkpoints name, a fresh run reads the configured path.
     """
     resumed = saved_metadata is not None or restored_step is not None
     saved = saved_metadata or {}
@@ -53,8 +77,7 @@ class FrozenModels:
         raise ValueError(f"{checkpointing.checkpoint_dir(self.config.model_dir)}/{restored_step}: a LoRA run's "
                          "checkpoint without the base model's path in its metadata (lora.base)")
       if not resumed and not ckpt.warm_start_from:
-        raise ValueError("LoRA (LoraConfig.rank > 0) needs a base model: set INITIAL_CHECKPOINT_PATH "
-                         "(CheckpointConfig.warm_start_from) to its MODEL_DIR or checkpoints/<step>")
+        raise ValueError(NO_LORA_BASE)
       pinned = self.load_lora_base(base or ckpt.warm_start_from)
       if resumed and ckpt.warm_start_from and _newest(ckpt.warm_start_from) != pinned:
         logging.warning("resuming a LoRA run over the base its checkpoints name (%s), not INITIAL_CHECKPOINT_PATH's "
@@ -62,40 +85,71 @@ class FrozenModels:
       origin["lora"] = {"base": pinned, "rank": self.lora.rank, "alpha": self.lora.alpha, "targets": self.lora.targets}
       logging.info("LoRA rank %d (alpha %g) on %d kernels over the frozen base %s", self.lora.rank, self.lora.alpha,
                    len(self.objective.kernel_names), pinned)
-    if self.needs_reference:
-      origin["reference_checkpoint"] = self.load_reference(saved.get("reference_checkpoint") if resumed else None)
-      logging.info("frozen reference model %s", origin["reference_checkpoint"])
-    if self.needs_teacher:
-      origin["teacher_checkpoint"] = self.load_teacher(saved.get("teacher_checkpoint") if resumed else None)
-      logging.info("frozen teacher model %s", origin["teacher_checkpoint"])
+    for spec in self.frozen_specs:
+      origin[spec.record] = self.load_frozen_model(spec.name, saved.get(spec.record) if resumed else None)
+      logging.info("frozen %s %s", spec.what, origin[spec.record])
     return origin
 
-  @property
-  def needs_teacher(self) -> bool:
-    """Whether the objective reads the frozen teacher (distillation)."""
-    return isinstance(self.model_objective, distill.Distill)
+  def frozen_spec(self, name: str) -> Frozen:
+    """The recipe's declaration of frozen model `name`."""
+    for spec in self.frozen_specs:
+      if spec.name == name:
+        return spec
+    raise ValueError(f"this run's method reads no frozen model {name!r} (it reads: "
+                     f"{', '.join(s.name for s in self.frozen_specs) or 'none'})")
 
-  @functools.cached_property
-  def teacher_boxed_params(self):
-    """The teacher's abstract parameters, boxed with their logical axis names (nothing allocated)."""
-    return self.boxed_params_of(model_lib.GPT(self.teacher_config))
+  def frozen_layout(self, spec: Frozen):
+    """(boxed abstract parameters, shardings) of a declared frozen model: the run's own, or its model config's
+    laid out by the same rules table (nothing allocated)."""
+    if spec.model_config is None:
+      return self.boxed_params, self.model_shardings
+    if spec.name not in self._frozen_layouts:
+      boxed = self.boxed_params_of(model_lib.GPT(spec.model_config))
+      self._frozen_layouts[spec.name] = boxed, partitioning.shardings_from_boxed(boxed, self.mesh, self.rules)
+    return self._frozen_layouts[spec.name]
 
-  @functools.cached_property
-  def teacher_shardings(self):
-    """NamedShardings of the teacher's parameters on this mesh (the same rules table as the model's)."""
-    return partitioning.shardings_from_boxed(self.teacher_boxed_params, self.mesh, self.rules)
-
-  def load_teacher(self, path: Optional[str] = None) -> str:
-    """Restores the frozen teacher `distill.TEACHER` from `path`, else DistillConfig.teacher_checkpoint
-    (TEACHER_CHECKPOINT_PATH), after checking every parameter shape against the teacher's model config;
-    returns the checkpoints/<step> read."""
-    path = path or self.config.recipe_config.teacher_checkpoint
-    what = f"teacher model (TEACHER_CHECKPOINT_PATH, model config {self.teacher_source})"
-    pinned = self.check_checkpoint_shapes(path, what, boxed=self.teacher_boxed_params)
-    if self.teacher != pinned:
-      self.add_frozen(distill.TEACHER, pinned, self.teacher_boxed_params, self.teacher_shardings)
-      self.teacher = pinned
+  def load_frozen_model(self, name: str, path: Optional[str] = None) -> str:
+    """Restores the declared frozen model `name` from `path`, else its configured path, after checking every
+    parameter shape; returns the checkpoints/<step> read. The run's own model at the LoRA base's path is the base
+    itself (the adapters switched off): the same arrays, no second copy."""
+    spec = self.frozen_spec(name)
+    path = path or spec.path
+    if not path:
+      raise ValueError(spec.missing)
+    boxed, shardings = self.frozen_layout(spec)
+    pinned = self.check_checkpoint_shapes(path, spec.what, boxed=boxed)
+    if self.loaded.get(name) == pinned:
+      return pinned
+    if spec.model_config is None and self.lora and pinned == self.lora_base:
+      self.frozen[name], self.frozen_shardings[name] = self.frozen[lora_lib.BASE], self.frozen_shardings[lora_lib.BASE]
+    else:
+      self.add_frozen(name, pinned, boxed, shardings)
+    self.loaded[name] = pinned
     return pinned
+
+  def shares_lora_base(self, name: str) -> bool:
+    """Whether frozen model `name` is loaded as the LoRA base itself (no bytes of its own)."""
+    return bool(self.lora and self.loaded.get(name) and self.loaded[name] == self.lora_base)
+
+  def frozen_report(self) -> dict:
+    """memory/frozen_<name>_bytes_per_device of each declared frozen model with arrays of its own."""
+    report = {}
+    for spec in self.frozen_specs:
+      if not self.shares_lora_base(spec.name):
+        boxed, shardings = self.frozen_layout(spec)
+        report[f"memory/frozen_{spec.name}_bytes_per_device"] = train_state_lib.bytes_per_device(
+            partitioning.unbox(boxed), shardings)
+    return report
+
+  def load_pinned_frozen(self, checkpoint_path: str) -> None:
+    """Loads each declared frozen model that the checkpoint at `checkpoint_path` names in its metadata (the ones
+    its run trained against), else the configured one."""
+    try:
+      saved = checkpointing.read_metadata(checkpoint_path)
+    except Exception:  # pylint: disable=broad-except  # a parameters-only checkpoint may have no metadata
+      saved = {}
+    for spec in self.frozen_specs:
+      self.load_frozen_model(spec.name, saved.get(spec.record))
 
   def missing_score_head(self, path: str) -> bool:
     """Whether the checkpoint at `path` lacks the score head this model has: a reward model warm-started from an
@@ -117,35 +171,6 @@ class FrozenModels:
     body = {k: v for k, v in abstract.params.items() if k != heads.SCORE_HEAD}
     _, params = checkpointing.restore_params(path, abstract_params=body)
     return state.replace(params={**params, heads.SCORE_HEAD: state.params[heads.SCORE_HEAD]})
-
-  @property
-  def needs_reference(self) -> bool:
-    """Whether the objective reads the frozen reference model (DPO, IPO; not SimPO or language modelling)."""
-    return bool(getattr(self.model_objective, "needs_reference", False))
-
-  def load_reference(self, path: Optional[str] = None) -> str:
-    """Restores the frozen reference model `preference.REFERENCE` from `path`, else the recipe's
-    reference_checkpoint (REFERENCE_CHECKPOINT_PATH), else CheckpointConfig.warm_start_from
-    (INITIAL_CHECKPOINT_PATH), after checking every parameter shape; returns the checkpoints/<step> read."""
-    path = path or self.config.recipe_config.reference_checkpoint or self.config.checkpoint.warm_start_from
-    if not path:
-      raise ValueError(f"the {self.model_objective.loss_type} loss needs a reference model: set "
-                       "REFERENCE_CHECKPOINT_PATH (DpoConfig.reference_checkpoint) or INITIAL_CHECKPOINT_PATH")
-    pinned = self.check_checkpoint_shapes(path, "reference model (REFERENCE_CHECKPOINT_PATH)")
-    if self.reference != pinned and self.shares_lora_base(pinned):
-      # under LoRA the reference is the base with the adapters switched off: the same arrays, no second copy
-      self.frozen[preference.REFERENCE] = self.frozen[lora_lib.BASE]
-      self.frozen_shardings[preference.REFERENCE] = self.frozen_shardings[lora_lib.BASE]
-      self.reference = pinned
-    elif self.reference != pinned:
-      self.add_frozen(preference.REFERENCE, pinned)
-      self.reference = pinned
-    return pinned
-
-  def shares_lora_base(self, path: Optional[str] = None) -> bool:
-    """Whether the reference (at `path`, default the loaded one) is the loaded LoRA base itself."""
-    path = path or self.reference
-    return bool(self.lora and path and path == self.lora_base)
 
   def check_checkpoint_shapes(self, path: str, what: str = "initial checkpoint", boxed=None) -> str:
     """Checks every parameter shape of the checkpoint at `path` (a MODEL_DIR or checkpoints/<step>)

@@ -1,14 +1,32 @@
-"""What the recipes share: the reference-model setting of DPO and GRPO, the DATA_DIR format check, the pair checks."""
+"""What the recipes share: the recipe protocol, the reference model of DPO and GRPO, the DATA_DIR format check,
+the pair checks."""
 
 import dataclasses
 
+from t5x_like.posttrain import frozen_models
+from t5x_like.posttrain import preference
+from t5x_like.training import config as config_lib
+
+Recipe = config_lib.Recipe  # the protocol every recipe config follows (defaults: language modelling's)
+
 
 @dataclasses.dataclass(frozen=True)
-class ReferenceConfig:
-  """Methods trained against a frozen reference model (DPO/IPO, GRPO's KL term)."""
+class ReferenceConfig(Recipe):
+  """Methods trained against a frozen reference model (DPO/IPO, GRPO's KL term), when their objective reads one
+  (`needs_reference`: not SimPO, not GRPO without its KL term)."""
   # the frozen reference model (REFERENCE_CHECKPOINT_PATH): a MODEL_DIR, checkpoints/<step> or converted checkpoint;
   # '' = CheckpointConfig.warm_start_from (INITIAL_CHECKPOINT_PATH)
   reference_checkpoint: str = ""
+
+  def frozen_models(self, run) -> tuple:
+    if not getattr(run.model_objective, "needs_reference", False):
+      return ()
+    loss = getattr(run.model_objective, "loss_type", run.config.recipe)
+    return (frozen_models.Frozen(
+        name=preference.REFERENCE, path=self.reference_checkpoint or run.config.checkpoint.warm_start_from,
+        what="reference model (REFERENCE_CHECKPOINT_PATH)",
+        missing=f"the {loss} loss needs a reference model: set REFERENCE_CHECKPOINT_PATH "
+                f"({type(self).__name__}.reference_checkpoint) or INITIAL_CHECKPOINT_PATH"),)
 
 
 def check_format(run, expected: str, what: str) -> None:

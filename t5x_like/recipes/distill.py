@@ -9,10 +9,12 @@ import dataclasses
 
 from t5x_like.model import decoder as model_lib
 from t5x_like.posttrain import distill
+from t5x_like.posttrain import frozen_models
+from t5x_like.recipes import base
 
 
 @dataclasses.dataclass(frozen=True)
-class DistillConfig:
+class DistillConfig(base.Recipe):
   """Distillation (gin: `distill.DistillConfig`)."""
   # the frozen teacher (TEACHER_CHECKPOINT_PATH): a MODEL_DIR, checkpoints/<step> or converted checkpoint
   teacher_checkpoint: str = ""
@@ -35,6 +37,14 @@ class DistillConfig:
         teacher.apply, lambda params, hidden: model_lib.project_logits(params, hidden, teacher_config),
         alpha=self.alpha, temperature=self.temperature, loss_chunk=run.config.loss_chunk)
     return objective
+
+  def frozen_models(self, run) -> tuple:
+    teacher_config, source = self.teacher(run)
+    return (frozen_models.Frozen(
+        name=distill.TEACHER, path=self.teacher_checkpoint, model_config=teacher_config,
+        what=f"teacher model (TEACHER_CHECKPOINT_PATH, model config {source})",
+        missing="TrainConfig.recipe='distill' needs a teacher: set TEACHER_CHECKPOINT_PATH "
+                "(DistillConfig.teacher_checkpoint) to its MODEL_DIR, checkpoints/<step> or converted checkpoint"),)
 
   def teacher(self, run):
     """(the teacher's model config, the file it was read from), checked against `run`'s model config."""

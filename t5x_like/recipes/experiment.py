@@ -4,6 +4,9 @@ mesh → resolved model config → layout check → sharded abstract state → o
 plus the data streams, evaluation over the objective, and frozen models on the same mesh. Under LoRA
 (TrainConfig.lora.rank > 0) the state's parameters are the adapters, the base model is the frozen
 model `lora.BASE`, and the objective is wrapped to merge them (posttrain/lora.py).
+
+It never names a method: what a method needs beyond its objective (frozen models, its own batches or evaluation,
+the reward head) its recipe says (training/config.Recipe, t5x_like/recipes/<name>.py).
 """
 
 import functools
@@ -18,21 +21,17 @@ from t5x_like.observe import metrics as metrics_lib
 from t5x_like.parallel import global_batch
 from t5x_like.parallel import offload
 from t5x_like.parallel import partitioning
-from t5x_like.training import checkpointing
 from t5x_like.posttrain import frozen_models
 from t5x_like.posttrain import lora as lora_lib
+from t5x_like.training import checkpointing
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import precision
 from t5x_like.training import runtime as runtime_lib
-from t5x_like.posttrain import rollout
 from t5x_like.training import step as step_lib
 from t5x_like.training import train_state as train_state_lib
 from t5x_like.training import trainable as trainable_lib
 from t5x_like.training import trainer
 from t5x_like.training.config import TrainConfig
-from t5x_like.posttrain import grpo
-from t5x_like.posttrain import distill
-from t5x_like.posttrain import preference
 
 
 _NO_DATA_DIR = "DATA_DIR is not set: training and evaluation read a prepared dataset (python -m t5x_like.preprocess)"
@@ -49,34 +48,31 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
   def __init__(self, config: TrainConfig, model_config: model_lib.GPTConfig,
                optimizer_config: optimizer_lib.OptimizerConfig,
                precision_config: Optional[precision.PrecisionConfig] = None):
-    recipe = config.recipe_config  # the method's config (t5x_like/recipes/<TrainConfig.recipe>.py)
-    super().__init__(config, model_config, scored=getattr(recipe, "scored_model", False))  # reward: the score head
+    self.recipe = recipe = config.recipe_config  # the method's config (t5x_like/recipes/<TrainConfig.recipe>.py)
+    super().__init__(config, model_config, scored=recipe.scored_model)  # reward: the score head
     self.precision_config = precision_config or precision.PrecisionConfig()
     if config.use_lora:
       lora_lib.validate(config.lora, self.model_config)  # LoRA dropout: not with pipeline stages
     # The objective over the model's parameters; under LoRA, `objective` wraps it to take adapters.
     self.model_objective = recipe.make_objective(self, loss_scaled=self.initial_loss_scale() is not None)
-    # distillation: the teacher's model config and the file it was read from
-    self.teacher_config, self.teacher_source = recipe.teacher(self) if hasattr(recipe, "teacher") else (None, None)
     self.objective = self.model_objective
     self.lr_fn = optimizer_lib.learning_rate_schedule(optimizer_config, config.train_steps)
     self.tx = optimizer_lib.make_optimizer(optimizer_config, config.train_steps)
     self.batch_sharding = partitioning.batch_sharding(self.mesh, self.rules)
     self.frozen, self.frozen_shardings = {}, {}
+    self.loaded = {}  # {frozen model name: the checkpoints/<step> directory it was read from}
+    self._frozen_layouts, self._parts = {}, {}
     self.lora = config.lora if config.use_lora else None
     self.lora_base = None  # under LoRA: the base's checkpoints/<step> directory, once loaded
-    self.reference = None  # preference objectives: the reference's checkpoints/<step> directory, once loaded
-    self.teacher = None  # distillation: the teacher's checkpoints/<step> directory, once loaded
     self.params_fn = None  # rng → the state's boxed parameters when they are not the model's (LoRA adapters)
     if self.lora:
       kernels = lora_lib.target_kernels(self.boxed_params, self.lora.targets)
       self.objective = lora_lib.objective(self.model_objective, self.boxed_params, self.lora)
       self.params_fn = functools.partial(lora_lib.init_adapters, kernels=kernels, config=self.lora)
       self.frozen_shardings[lora_lib.BASE] = self.model_shardings
-    if self.needs_reference:
-      self.frozen_shardings[preference.REFERENCE] = self.model_shardings
-    if self.needs_teacher:
-      self.frozen_shardings[distill.TEACHER] = self.teacher_shardings
+    self.frozen_specs = tuple(recipe.frozen_models(self))  # a reference, a teacher (posttrain/frozen_models.py)
+    for spec in self.frozen_specs:
+      self.frozen_shardings[spec.name] = self.frozen_layout(spec)[1]
     with self.context():
       self.abstract_state, self.state_shardings = train_state_lib.state_shardings(
           self.model, self.tx, self.mesh, self.rules, loss_scale=self.initial_loss_scale(),
@@ -86,25 +82,20 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
       self.state_shardings = offload.offload_shardings(self.state_shardings)
 
   @property
-  def is_grpo(self) -> bool:
-    return isinstance(self.model_objective, grpo.Grpo)
-
-  @property
   def state_holds_model_params(self) -> bool:
     """Whether the TrainState's parameters are the model's (not LoRA's adapters over a frozen base)."""
     return self.params_fn is None
 
   def batches(self, next_batch):
-    """step → that step's batch: `next_batch` (the data pipeline's), or for an on-policy method (GRPO) a function
-    of the parameters the step starts from, returning (batch, host metrics) (posttrain/rollout.py)."""
-    if self.is_grpo:
-      return lambda step: functools.partial(self.rollouts.batch, step=step)
-    return next_batch
+    """step → that step's batch: `next_batch` (the data pipeline's), or what the recipe makes instead (an
+    on-policy method samples each step's from the parameters it starts from: posttrain/rollout.py)."""
+    return self.recipe.batches(self, next_batch)
 
-  @functools.cached_property
-  def rollouts(self) -> rollout.Rollouts:
-    """GRPO's prompts, sampler and rewards (built on first use: it reads the DATA_DIR's prompts)."""
-    return rollout.Rollouts(self)
+  def part(self, key: str, build):
+    """A recipe's per-run object (GRPO's rollouts), built by `build()` on first use, then kept."""
+    if key not in self._parts:
+      self._parts[key] = build()
+    return self._parts[key]
 
   def startup_report(self) -> dict:
     """What trains and what it costs: parameter counts and bytes per device of the parameters that
@@ -122,13 +113,36 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     if self.lora:
       report["memory/frozen_base_bytes_per_device"] = train_state_lib.bytes_per_device(
           partitioning.unbox(self.boxed_params), self.model_shardings)
-    if self.needs_reference and not self.shares_lora_base():  # laid out like the model's, no optimizer state
-      report["memory/frozen_reference_bytes_per_device"] = train_state_lib.bytes_per_device(
-          partitioning.unbox(self.boxed_params), self.model_shardings)
-    if self.needs_teacher:  # laid out by the same rules, without optimizer state
-      report["memory/frozen_teacher_bytes_per_device"] = train_state_lib.bytes_per_device(
-          partitioning.unbox(self.teacher_boxed_params), self.teacher_shardings)
+    report.update(self.frozen_report())  # a reference, a teacher: laid out by the same rules, no optimizer state
     return report
+
+  def validate(self, *, resuming: bool = False) -> dict:
+    """The checks of the whole run that need no compile, in one pass, before anything compiles: the config,
+    layout and recipe were checked when this was built; here the training data streams of every process, and
+    (for a fresh run) the shapes of every checkpoint it will read: INITIAL_CHECKPOINT_PATH or the LoRA base, and
+    each frozen model the recipe declares. A resumed run reads those its checkpoints name, checked on load.
+
+    Returns:
+      the start-up report (what trains and what it costs).
+    Raises:
+      ValueError: the first problem, in one line naming the file, key or value.
+    """
+    self.dataset("train", shuffle=False, repeat=False)  # every stream has records
+    ckpt = self.config.checkpoint
+    if not resuming:
+      if ckpt.warm_start_required and not ckpt.warm_start_from:
+        raise ValueError("INITIAL_CHECKPOINT_PATH is empty: a fine-tuning run (configs/runs/finetune.gin) starts "
+                         "from a base model's MODEL_DIR or checkpoints/<step>")
+      if self.lora and not ckpt.warm_start_from:
+        raise ValueError(frozen_models.NO_LORA_BASE)
+      if ckpt.warm_start_from:
+        self.check_checkpoint_shapes(ckpt.warm_start_from, "LoRA base checkpoint" if self.lora else
+                                     "initial checkpoint (INITIAL_CHECKPOINT_PATH)")
+      for spec in self.frozen_specs:
+        if not spec.path:
+          raise ValueError(spec.missing)
+        self.check_checkpoint_shapes(spec.path, spec.what, boxed=self.frozen_layout(spec)[0])
+    return self.startup_report()
 
   def initial_loss_scale(self):
     """The dynamic loss-scale state a fresh TrainState starts with (None without loss scaling)."""
@@ -220,8 +234,9 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     """The objective's weighted loss over `split` (the whole split, or DataConfig.eval_batches batches;
     the same batches every time), its perplexity exp(loss), and the objective's metrics. A mixture's:
     eval/<source>/* of each source's split, and eval/* over all of them (token-weighted)."""
-    if self.is_grpo:  # greedy answers to the validation prompts, scored by the reward function
-      return self.rollouts.evaluate(params)
+    own = self.recipe.evaluate(self, params)  # a method's own evaluation (GRPO: rewards of greedy answers)
+    if own is not None:
+      return own
     eval_step = eval_step or self.jit_eval_step()
     if self.mixture and data_dir is None:
       combined = mixture_lib.combine_evaluations(
@@ -284,17 +299,11 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
                        f"(available: {sorted(self.manifest['splits'])})")
     with self.context():
       found, params = self.restore_adapters(step) if self.lora else self.restore_params(step)
-    if self.needs_reference and not self.is_grpo:  # the reference the run trained against, else the config's
-      _, path = checkpointing.step_dir(self.config.model_dir, found)
-      try:
-        pinned = checkpointing.read_metadata(path).get("reference_checkpoint")
-      except Exception:  # pylint: disable=broad-except  # a parameters-only checkpoint may have no metadata
-        pinned = None
-      self.load_reference(pinned)
-    if self.needs_teacher:  # the teacher the run trained with (its checkpoints' metadata), else the config's
-      _, path = checkpointing.step_dir(self.config.model_dir, found)
-      self.load_teacher(checkpointing.read_metadata(path).get("teacher_checkpoint"))
-    return {"step": int(found), "split": split, **self.evaluate(params, split=split)}
+    own = self.recipe.evaluate(self, params)  # a method's own evaluation needs no frozen model
+    if own is None:  # the frozen models the run trained against (its checkpoint's metadata), else the config's
+      self.load_pinned_frozen(str(checkpointing.step_dir(self.config.model_dir, found)[1]))
+      own = self.evaluate(params, split=split)
+    return {"step": int(found), "split": split, **own}
 
 
 trainer.register_experiment(Experiment)

@@ -4,9 +4,11 @@ Gin: configs/runs/grpo.gin.
 """
 
 import dataclasses
+import functools
 
 from t5x_like.posttrain import grpo
 from t5x_like.posttrain import rewards
+from t5x_like.posttrain import rollout
 from t5x_like.recipes import base
 
 NAME = "TrainConfig.recipe='grpo'"
@@ -46,6 +48,20 @@ class GrpoConfig(base.ReferenceConfig):
     rewards.get(self.reward)  # an unregistered name is an error now, not after the first rollout
     # one update per rollout batch: the sampling policy is the current one (no forward pass for old log-probs)
     return grpo.Grpo(run.model.apply, clip_epsilon=self.clip_epsilon, beta=self.kl_beta, on_policy=True)
+
+  def rollouts(self, run) -> rollout.Rollouts:
+    """The run's prompts, sampler and rewards, built once per run (they read the DATA_DIR's prompts)."""
+    return run.part("rollouts", lambda: rollout.Rollouts(run))
+
+  def batches(self, run, next_batch):
+    """Each step's batch is sampled from the parameters it starts from: (batch, host metrics)."""
+    del next_batch
+    rollouts = self.rollouts(run)
+    return lambda step: functools.partial(rollouts.batch, step=step)
+
+  def evaluate(self, run, params) -> dict:
+    """Greedy answers to the validation prompts, scored by the reward function."""
+    return self.rollouts(run).evaluate(params)
 
 
 CONFIG = GrpoConfig

@@ -15,7 +15,7 @@ NAME = "TrainConfig.recipe='reward'"
 
 
 @dataclasses.dataclass(frozen=True)
-class RewardConfig:
+class RewardConfig(base.Recipe):
   """The reward model (gin: `reward.RewardConfig`): no settings beyond the run's."""
   scored_model = True  # the model carries the score head (a class constant, not a gin setting)
 

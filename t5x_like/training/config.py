@@ -20,8 +20,31 @@ from t5x_like.training.fault_tolerance import FaultToleranceConfig
 from t5x_like.training.objectives import language_model
 
 
+class Recipe:
+  """What a method's config (its recipe: t5x_like/recipes/<name>.py) gives a run besides its objective,
+  `make_objective(run, *, loss_scaled)`. The defaults are language modelling's; a recipe overrides what its method
+  needs, so that the assembly (recipes/experiment.py) and the loop never name a method."""
+  scored_model = False  # the model carries the reward head (model/heads.py): a class constant, not a gin setting
+
+  def frozen_models(self, run) -> tuple:
+    """The frozen models (posttrain/frozen_models.Frozen) the objective reads, besides a LoRA base."""
+    del run
+    return ()
+
+  def batches(self, run, next_batch):
+    """step → that step's batch: the data pipeline's `next_batch`; an on-policy method returns, per step, a
+    function of the parameters the step starts from giving (batch, host metrics)."""
+    del run
+    return next_batch
+
+  def evaluate(self, run, params) -> Optional[dict]:
+    """The method's own evaluation of `params`, or None: the objective's loss over the validation split."""
+    del run, params
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
-class LanguageModelConfig:
+class LanguageModelConfig(Recipe):
   """The default recipe, language modelling (pre-training, SFT; gin: `language_model.LanguageModelConfig`):
   its settings are the run's own (TrainConfig.loss_chunk, .trainable, lora.LoraConfig). Other recipes'
   configs live in t5x_like/recipes/<name>.py; this one is here because every run can use it."""

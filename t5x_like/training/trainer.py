@@ -130,9 +130,6 @@ def initial_state(exp, manager, train_iter) -> tuple:
   if resumed:
     logging.info("resumed from %s at step %d", checkpoints.checkpoint_dir(config.model_dir), int(restored_step))
     return int(restored_step), state, saved_metadata, origin
-  if ckpt.warm_start_required and not ckpt.warm_start_from:
-    raise ValueError("INITIAL_CHECKPOINT_PATH is empty: a fine-tuning run (configs/runs/finetune.gin) starts from a "
-                     "base model's MODEL_DIR or checkpoints/<step>")
   if ckpt.warm_start_from and exp.state_holds_model_params:  # (LoRA's state holds adapters; its base is frozen)
     pinned = exp.check_checkpoint_shapes(ckpt.warm_start_from)  # before anything compiles
     state = exp.warm_start(pinned, abstract, ckpt.warm_start_optimizer)  # a reward model's new head stays fresh
@@ -145,6 +142,20 @@ def initial_state(exp, manager, train_iter) -> tuple:
 def _write_operative_config(model_dir: str) -> None:
   with tf.io.gfile.GFile(f"{model_dir}/config.gin", "w") as f:
     f.write(gin.operative_config_str())
+
+
+def check(config: TrainConfig, model_config: model_lib.GPTConfig,
+          optimizer_config: optimizer_lib.OptimizerConfig,
+          precision_config: Optional[precision.PrecisionConfig] = None) -> dict:
+  """`train --check`: the run's whole configuration checked in the one pass train() starts with (layout, recipe,
+  data streams, the shapes of every checkpoint it reads), without compiling, allocating or writing anything.
+
+  Returns:
+    the start-up report (parameters, trainable fraction, bytes per device of parameters and optimizer state).
+  """
+  exp = experiment_builder()(config, model_config, optimizer_config, precision_config)
+  resuming = bool(config.model_dir) and bool(checkpoints.committed_steps(config.model_dir))
+  return exp.validate(resuming=resuming)
 
 
 def train(config: TrainConfig, model_config: model_lib.GPTConfig,
@@ -174,6 +185,7 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
   ckpt, ft = config.checkpoint, config.fault_tolerance
   manager = checkpoints.make_manager(config.model_dir, max_to_keep=ckpt.keep, keep_period=ckpt.keep_period,
                                      async_save=ckpt.async_save)
+  exp.validate(resuming=manager.latest_step() is not None)  # the whole run's checks in one pass, before anything
   train_iter = iter(exp.dataset("train", shuffle=True, repeat=True))
   abstract = exp.abstract_with_shardings()
   start, state, saved_metadata, origin = initial_state(exp, manager, train_iter)
