@@ -1,5 +1,5 @@
-"""Hugging Face `config.json` ↔ GPTConfig for the GPT-2, Llama and Mixtral families, refusing what we cannot
-represent."""
+"""Hugging Face `config.json` ↔ GPTConfig for the GPT-2, Llama, Mixtral, Qwen2, Qwen3 and Mistral families,
+refusing what we cannot represent."""
 
 import dataclasses
 import math
@@ -8,7 +8,9 @@ from typing import Optional
 from t5x_like.model.config import GPTConfig
 
 GPT2, LLAMA, MIXTRAL = "GPT2LMHeadModel", "LlamaForCausalLM", "MixtralForCausalLM"
-SUPPORTED = {GPT2: "gpt2", LLAMA: "llama", MIXTRAL: "mixtral"}  # architecture → model_type
+QWEN2, QWEN3, MISTRAL = "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"
+SUPPORTED = {GPT2: "gpt2", LLAMA: "llama", MIXTRAL: "mixtral", QWEN2: "qwen2", QWEN3: "qwen3",
+             MISTRAL: "mistral"}  # architecture → model_type
 VOCAB_MULTIPLE = 128  # imported vocabularies are padded to a multiple of this, so the vocab axis shards
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both the tanh approximation our "gelu" computes
 ROPE_TYPES = ("default", "llama3")
@@ -17,8 +19,8 @@ TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # The GPTConfig fields a converted model.gin binds: everything that fixes the function, nothing that fixes
 # the execution (dtype, remat, attention kernel, pipeline stages come from the run's own gin files).
 MODEL_FIELDS = ("vocab_size", "valid_vocab_size", "max_len", "num_layers", "num_heads", "num_kv_heads", "d_model",
-                "d_ff", "tie_embeddings", "use_bias", "norm", "layer_norm_epsilon", "mlp_activation",
-                "position_embedding", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
+                "d_ff", "tie_embeddings", "use_bias", "qkv_bias", "qk_norm", "sliding_window", "norm",
+                "layer_norm_epsilon", "mlp_activation", "position_embedding", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
                 "rope_high_freq_factor", "rope_original_max_len")
 # ... and, for a mixture-of-experts model (num_experts > 0), these: the routing and the router's training losses.
 MOE_FIELDS = ("num_experts", "moe_top_k", "moe_every", "moe_d_ff", "moe_dropless", "moe_load_balancing_weight",
@@ -50,7 +52,8 @@ def from_hf(hf: dict, where: str) -> tuple:
   if hf.get("quantization_config"):
     raise ValueError(f"{where}: quantization_config is set: quantized checkpoints are not supported")
   try:
-    config = {GPT2: _from_gpt2, LLAMA: _from_llama, MIXTRAL: _from_mixtral}[arch](hf, where)
+    config = {GPT2: _from_gpt2, LLAMA: _from_llama, MIXTRAL: _from_mixtral, QWEN2: _from_qwen2, QWEN3: _from_qwen3,
+              MISTRAL: _from_mistral}[arch](hf, where)
   except KeyError as e:
     raise ValueError(f"{where}: {arch} needs {e.args[0]!r}, which is missing") from None
   vocab = config.vocab_size
@@ -135,12 +138,75 @@ def _from_mixtral(hf: dict, where: str) -> GPTConfig:
                              moe_load_balancing_weight=hf.get("router_aux_loss_coef", 0.001) * top_k)
 
 
+def _without(hf: dict, *keys) -> dict:
+  return {k: v for k, v in hf.items() if k not in keys}
+
+
+def _window(window, max_len: int) -> int:
+  """GPTConfig.sliding_window of an HF window: 0 (full causal) for none or one spanning every position."""
+  return window if window and window < max_len else 0
+
+
+def _from_mistral(hf: dict, where: str) -> GPTConfig:
+  """Llama without biases, each query reading only the last `sliding_window` keys (None = all)."""
+  dense = _from_llama(_without(hf, "sliding_window"), where)
+  return dataclasses.replace(dense, sliding_window=_window(hf.get("sliding_window"), dense.max_len))
+
+
+def _qwen_window(hf: dict, where: str, max_len: int) -> int:
+  """Qwen's window: with use_sliding_window, layers from max_window_layers on (or those `layer_types` names
+  'sliding_attention') use it; t5x_like's one window is either every layer's or none's."""
+  if not hf.get("use_sliding_window"):
+    return 0
+  layers, first = hf["num_hidden_layers"], hf.get("max_window_layers", 0)
+  kinds = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+  if len(set(kinds)) > 1:
+    key = "layer_types" if hf.get("layer_types") else f"max_window_layers={first}"
+    raise ValueError(f"{where}: {key} mixes sliding-window and full-attention layers, which is not supported "
+                     f"(one sliding_window for every layer)")
+  return _window(hf.get("sliding_window"), max_len) if kinds[0] == "sliding_attention" else 0
+
+
+def _from_qwen2(hf: dict, where: str) -> GPTConfig:
+  """Llama with biases on the query, key and value projections only (no attention_bias / mlp_bias keys)."""
+  dense = _from_llama(_without(hf, "use_sliding_window", "sliding_window", "attention_bias", "mlp_bias"), where)
+  return dataclasses.replace(dense, use_bias=False, qkv_bias=True,
+                             sliding_window=_qwen_window(hf, where, dense.max_len))
+
+
+def _from_qwen3(hf: dict, where: str) -> GPTConfig:
+  """Llama with RMSNorm over head_dim on queries and keys; attention_bias would bias q, k, v and o (refused)."""
+  _require(hf, "attention_bias", False, (False,), where, "qkv_bias biases q, k and v, not the output projection")
+  dense = _from_llama(_without(hf, "use_sliding_window", "sliding_window", "attention_bias", "mlp_bias"), where)
+  return dataclasses.replace(dense, qk_norm=True, sliding_window=_qwen_window(hf, where, dense.max_len))
+
+
+def _llama_family(config: GPTConfig) -> str:
+  """Which rmsnorm / swiglu / rope architecture computes `config`, or a ValueError naming the field."""
+  biases = f"use_bias={config.use_bias}, qkv_bias={config.qkv_bias}"
+  if config.qk_norm:
+    if config.use_bias or config.qkv_bias:
+      raise ValueError(f"GPTConfig.qk_norm with {biases}: {QWEN3} has no biases")
+    return QWEN3
+  if config.qkv_bias and not config.use_bias:
+    return QWEN2
+  if config.sliding_window:
+    if config.use_bias:
+      raise ValueError(f"GPTConfig.sliding_window={config.sliding_window} with use_bias=True: {MISTRAL} has no "
+                       f"biases")
+    return MISTRAL
+  return LLAMA
+
+
 def export_architecture(config: GPTConfig) -> str:
   """The Hugging Face architecture that computes what `config` does, or a ValueError saying why none does."""
   if config.num_experts:
     mixtral = {"moe_every": (config.moe_every, config.moe_every == 1, "every layer is MoE"),
                "moe_top_k": (config.moe_top_k, config.moe_top_k >= 2, "top-1 gates are renormalised to 1"),
                "use_bias": (config.use_bias, not config.use_bias, "no biases"),
+               "qkv_bias": (config.qkv_bias, not config.qkv_bias, "no biases"),
+               "qk_norm": (config.qk_norm, not config.qk_norm, "no query/key norm"),
+               "sliding_window": (config.sliding_window, not config.sliding_window, "full causal attention here"),
                "norm": (config.norm, config.norm == "rmsnorm", "rmsnorm"),
                "mlp_activation": (config.mlp_activation, config.mlp_activation == "swiglu", "swiglu"),
                "position_embedding": (config.position_embedding, config.position_embedding == "rope", "rope")}
@@ -150,11 +216,12 @@ def export_architecture(config: GPTConfig) -> str:
                          f"needs {why})")
     return MIXTRAL
   gpt2 = (config.norm == "layernorm" and config.mlp_activation == "gelu" and config.position_embedding == "learned"
-          and config.use_bias and config.kv_heads == config.num_heads)
+          and config.use_bias and config.kv_heads == config.num_heads and not config.qk_norm
+          and not config.sliding_window)
   if gpt2:
     return GPT2
   if config.norm == "rmsnorm" and config.mlp_activation == "swiglu" and config.position_embedding == "rope":
-    return LLAMA
+    return _llama_family(config)
   raise ValueError(f"no Hugging Face architecture computes this model (norm={config.norm!r}, "
                    f"mlp_activation={config.mlp_activation!r}, position_embedding={config.position_embedding!r}, "
                    f"use_bias={config.use_bias}, num_kv_heads={config.num_kv_heads}): {GPT2} needs layernorm, "
@@ -185,6 +252,16 @@ def to_hf(config: GPTConfig, token_ids: Optional[dict] = None, dtype: str = "flo
     out.update(intermediate_size=config.expert_d_ff, num_local_experts=config.num_experts,
                num_experts_per_tok=config.moe_top_k, sliding_window=None, output_router_logits=False,
                router_aux_loss_coef=config.moe_load_balancing_weight / config.moe_top_k, router_jitter_noise=0.0)
+  if arch in (QWEN2, QWEN3):  # every layer slides, or none does
+    del out["mlp_bias"]
+    if arch == QWEN2:
+      del out["attention_bias"]  # always on q, k, v; never on o
+    out.update(use_sliding_window=bool(config.sliding_window), sliding_window=config.sliding_window or None,
+               max_window_layers=0, layer_types=[("sliding" if config.sliding_window else "full") + "_attention"]
+               * config.num_layers)
+  if arch == MISTRAL:
+    del out["attention_bias"], out["mlp_bias"]
+    out["sliding_window"] = config.sliding_window
   if config.rope_scaling_factor != 1.0:
     out["rope_scaling"] = {"rope_type": "llama3", "factor": config.rope_scaling_factor,
                            "low_freq_factor": config.rope_low_freq_factor,

@@ -84,7 +84,8 @@ def gpt2_table(config: GPTConfig, prefix: str = "transformer.") -> list:
 
 
 def llama_table(config: GPTConfig, mixtral: bool = False) -> list:
-  """LlamaForCausalLM's tensors: fused qkv slots when num_kv_heads == num_heads, else query + key_value.
+  """LlamaForCausalLM's tensors: fused qkv slots when num_kv_heads == num_heads, else query + key_value. The
+  same names serve Qwen2 (q/k/v biases: qkv_bias), Qwen3 (q_norm / k_norm: qk_norm) and Mistral.
 
   mixtral: MixtralForCausalLM's instead: the same attention, norms and embeddings; the MLP of every layer is
   `block_sparse_moe`: a router `gate` (E, D) and per expert e the SwiGLU matrices w1 (gate), w3 (up) and w2
@@ -102,9 +103,12 @@ def llama_table(config: GPTConfig, mixtral: bool = False) -> list:
   for hf_name, ours, index in projections:
     table.append(Tensor(f"{h}self_attn.{hf_name}.weight", f"blocks/{ours}/kernel",
                         part=() if index is None else (all_, index), fan_in=1, linear=True))
-    if config.use_bias:
+    if config.use_bias or config.qkv_bias:
       table.append(Tensor(f"{h}self_attn.{hf_name}.bias", f"blocks/{ours}/bias",
                           part=() if index is None else (index,)))
+  if config.qk_norm:  # Qwen3: RMSNorm over head_dim, one (Dh,) scale shared by the heads
+    table += [Tensor(f"{h}self_attn.q_norm.weight", "blocks/attn/query_norm/scale"),
+              Tensor(f"{h}self_attn.k_norm.weight", "blocks/attn/key_norm/scale")]
   mlp = (("mlp.gate_proj", "mlp_gate", 1), ("mlp.up_proj", "mlp_in", 1), ("mlp.down_proj", "mlp_out", 1))
   for hf_name, ours, fan_in in (("self_attn.o_proj", "attn/out", 2),) + (() if mixtral else mlp):
     table.append(Tensor(f"{h}{hf_name}.weight", f"blocks/{ours}/kernel", fan_in=fan_in, linear=True))

@@ -24,17 +24,22 @@ class Attention(nn.Module):
     cfg = self.config
     d, h, kvh, dh = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_dim
     dense = functools.partial(layers.DenseGeneral, dtype=cfg.compute_dtype, use_bias=cfg.use_bias)
+    in_dense = functools.partial(dense, use_bias=cfg.use_bias or cfg.qkv_bias)  # query, key, value projections
     if cfg.fused_qkv:
-      qkv = dense((d,), (3, h, dh), (ax.EMBED, None, ax.HEADS, ax.KV), (None, ax.HEADS, ax.KV), name="qkv")(x)
+      qkv = in_dense((d,), (3, h, dh), (ax.EMBED, None, ax.HEADS, ax.KV), (None, ax.HEADS, ax.KV), name="qkv")(x)
       qkv = layers.constrain(qkv, (ax.BATCH, ax.LENGTH, None, ax.ACT_HEADS, ax.KV))  # (B, T, 3, H, Dh)
       q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     else:
-      q = dense((d,), (h, dh), (ax.EMBED, ax.HEADS, ax.KV), (ax.HEADS, ax.KV), name="query")(x)
-      kv = dense((d,), (2, kvh, dh), (ax.EMBED, None, ax.KV_HEADS, ax.KV), (None, ax.KV_HEADS, ax.KV),
-                 name="key_value")(x)
+      q = in_dense((d,), (h, dh), (ax.EMBED, ax.HEADS, ax.KV), (ax.HEADS, ax.KV), name="query")(x)
+      kv = in_dense((d,), (2, kvh, dh), (ax.EMBED, None, ax.KV_HEADS, ax.KV), (None, ax.KV_HEADS, ax.KV),
+                    name="key_value")(x)
       kv = layers.constrain(kv, (ax.BATCH, ax.LENGTH, None, ax.ACT_KV_HEADS, ax.KV))  # (B, T, 2, K, Dh)
       k, v = kv[:, :, 0], kv[:, :, 1]
     q = layers.constrain(q, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.KV))
+    if cfg.qk_norm:  # per head, over head_dim, before the rotation (Qwen3)
+      head_norm = functools.partial(layers.RMSNorm, dtype=cfg.compute_dtype, epsilon=cfg.layer_norm_epsilon,
+                                    axis=ax.KV)
+      q, k = head_norm(name="query_norm")(q), head_norm(name="key_norm")(k)
     if cfg.position_embedding == "rope":
       inv_freq = rope_inverse_frequencies(cfg)
       q, k = layers.apply_rope(q, positions, inv_freq), layers.apply_rope(k, positions, inv_freq)
@@ -47,7 +52,7 @@ class Attention(nn.Module):
       v = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), cache_index, axis=1)
       new_cache = (k, v)
     if cfg.attention_impl == "reference" and cache is None:  # training and scoring: the mask is causal
-      out = layers.causal_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+      out = layers.causal_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, window=cfg.sliding_window)
     elif cfg.attention_impl == "reference":
       out = layers.reference_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
     else:

@@ -53,6 +53,9 @@ class GPTConfig:
   rope_original_max_len: int = 8192  # Llama-3 scaling: the context length the frequencies were trained for
   num_kv_heads: int = 0  # key/value heads: 0 = num_heads (multi-head); fewer = grouped-query; 1 = multi-query
   use_bias: bool = True  # biases on the attention and MLP projections and on an untied lm_head
+  qkv_bias: bool = False  # biases on the query, key and value projections even when use_bias is off (Qwen2/2.5)
+  qk_norm: bool = False  # RMSNorm (scale only, over head_dim) on queries and keys before rotary positions (Qwen3)
+  sliding_window: int = 0  # each query reads only the last W keys, itself included (Mistral); 0 = full causal
   valid_vocab_size: int = 0  # 0 = all rows; else rows ≥ this are padding (for sharding) and masked out of the softmax
   # Mixture of experts (model/moe.py): the MLP of every moe_every-th layer becomes num_experts experts of the model's
   # MLP kind, each token sent to its moe_top_k most probable by a float32 router. 0 experts = a dense model.
@@ -141,6 +144,8 @@ class GPTConfig:
       raise ValueError(f"GPTConfig rope scaling: need rope_scaling_factor >= 1 and rope_high_freq_factor > "
                        f"rope_low_freq_factor, got {self.rope_scaling_factor}, {self.rope_high_freq_factor}, "
                        f"{self.rope_low_freq_factor}")
+    if self.sliding_window < 0:
+      raise ValueError(f"GPTConfig.sliding_window={self.sliding_window} must be >= 0 (0 = full causal attention)")
     if self.valid_vocab_size < 0 or self.valid_vocab_size > self.vocab_size:
       raise ValueError(f"GPTConfig.valid_vocab_size={self.valid_vocab_size} must be in [0, vocab_size="
                        f"{self.vocab_size}]")

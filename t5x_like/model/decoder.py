@@ -72,7 +72,8 @@ class GPT(nn.Module):
       x, moe_stats = pipeline_parallel.run_pipeline_blocks(cfg, blocks, x, segment_ids, positions)
     else:
       rng = self.make_rng(DROPOUT_RNG) if self.has_rng(DROPOUT_RNG) else None
-      x, moe_stats = run_blocks(cfg, blocks, x, layers.causal_segment_mask(segment_ids), positions, rng=rng)
+      mask = layers.causal_segment_mask(segment_ids, cfg.sliding_window)
+      x, moe_stats = run_blocks(cfg, blocks, x, mask, positions, rng=rng)
     if moe_stats is not None and not self.is_initializing():  # kept when "intermediates" is mutable
       self.sow("intermediates", MOE_STATS, moe_stats)
     x = layers.norm_layer(cfg.norm)(dtype=cfg.compute_dtype, epsilon=cfg.layer_norm_epsilon, name="ln_f")(x)
@@ -86,12 +87,15 @@ class GPT(nn.Module):
 
   def _decode_blocks(self, blocks, x, segment_ids, positions, cache, cache_index):
     """Blocks over a KV cache: this chunk's keys/values are written at slots cache_index.., and each
-    query attends to the filled, non-padding slots at or before its own."""
+    query attends to the filled, non-padding slots at or before its own (with GPTConfig.sliding_window W, only
+    the last W of them)."""
     unit, n = unit_module(self.config), self.config.layers_per_unit
     seg = jax.lax.dynamic_update_slice_in_dim(cache["segment_ids"], segment_ids, cache_index, axis=1)
     query_slots = cache_index + jnp.arange(x.shape[1])  # (T,)
     key_slots = jnp.arange(seg.shape[1])  # (S,)
-    mask = (key_slots[None, None, :] <= query_slots[None, :, None]) & (seg[:, None, :] != 0)  # (B, T, S)
+    # a sequence's tokens fill consecutive slots, so the sliding window counts slots
+    causal = layers.window_mask(query_slots, key_slots, self.config.sliding_window)  # (T, S)
+    mask = causal[None] & (seg[:, None, :] != 0)  # (B, T, S)
 
     def body(h, layer):
       params, k_cache, v_cache = layer

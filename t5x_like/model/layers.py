@@ -48,13 +48,15 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-  """Root-mean-square norm (no centring, no bias) computed in float32, returned in the compute dtype."""
+  """Root-mean-square norm (no centring, no bias) computed in float32, returned in the compute dtype; `axis` is
+  the logical name of the normalised axis (the scale's)."""
   dtype: Dtype = jnp.bfloat16
   epsilon: float = 1e-5
+  axis: str = ax.NORM
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (ax.NORM,)), (x.shape[-1],))
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)), (x.shape[-1],))
     x32, axes = kernels.windowed(x.astype(jnp.float32))  # x32 (..., D) seen as (..., D/32, 32) on XLA:CPU
     y = (x32 * jax.lax.rsqrt(jnp.square(x32).mean(axes, keepdims=True) + self.epsilon)).reshape(x.shape)
     return kernels.scale_shift(y, scale, None).astype(self.dtype)
@@ -113,13 +115,23 @@ class DenseGeneral(nn.Module):
     return y
 
 
-def causal_segment_mask(segment_ids: jax.Array) -> jax.Array:
-  """(B, L) segment ids → (B, 1, L, L) bool mask: causal and within one document, padding masked."""
+def causal_segment_mask(segment_ids: jax.Array, window: int = 0) -> jax.Array:
+  """(B, L) segment ids → (B, 1, L, L) bool mask: causal and within one document, padding masked; with a
+  `window` W > 0 each query also sees only the W keys ending at its own (sliding-window attention)."""
   length = segment_ids.shape[-1]
-  causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
+  causal = window_mask(jnp.arange(length), jnp.arange(length), window)
   same = segment_ids[:, :, None] == segment_ids[:, None, :]
   valid = (segment_ids != 0)[:, :, None]
   return (causal[None] & same & valid)[:, None]
+
+
+def window_mask(query_slots: jax.Array, key_slots: jax.Array, window: int = 0) -> jax.Array:
+  """(L,) query and (S,) key slots → (L, S) bool: key at or before the query and, with window W > 0, fewer than
+  W slots behind it (as Hugging Face's sliding window: key > query − W)."""
+  mask = key_slots[None, :] <= query_slots[:, None]
+  if window:
+    mask &= key_slots[None, :] > query_slots[:, None] - window
+  return mask
 
 
 def _heads_first(q, k, v):
@@ -169,18 +181,20 @@ def causal_blocks(length: int, block: int = 0) -> list:
   return [(start, min(start + block, length)) for start in range(0, length, block)]
 
 
-def causal_attention(q, k, v, mask, block: int = 0):
+def causal_attention(q, k, v, mask, block: int = 0, window: int = 0):
   """reference_attention for a causal mask (query i never reads a key after position i; q and k the same length),
   computed by blocks of `block` query rows (default causal_block_size), each against only the keys up to its
   last row. Equal to reference_attention(q, k, v, mask); it skips the masked upper triangle, 3/8 to 7/16 of the
   scores' products and memory with 4–8 blocks, and each block's scores stay small. A row whose mask admits no key
   (padding) gets a uniform softmax over the keys up to its block's end instead of all keys; such outputs are never
-  read. When `length` is split over devices (context parallelism) slicing it would reshuffle the shards, so the
-  full product is used."""
+  read. With a sliding `window` W (the mask's), a block also skips the keys more than W − 1 before its first row.
+  When `length` is split over devices (context parallelism) slicing it would reshuffle the shards, so the full
+  product is used."""
   blocks = causal_blocks(q.shape[1], block)
   if len(blocks) == 1 or kernels.length_is_split():
     return reference_attention(q, k, v, mask)
   q, k, v = _heads_first(q, k, v)
-  outs = [_attend(q[..., start:end, :], k[:, :, :end], v[:, :, :end], mask[:, :, start:end, :end])
-          for start, end in blocks]
+  first = lambda start: max(0, start - window + 1) if window else 0  # the block's first key
+  outs = [_attend(q[..., start:end, :], k[:, :, first(start):end], v[:, :, first(start):end],
+                  mask[:, :, start:end, first(start):end]) for start, end in blocks]
   return _heads_last(jnp.concatenate(outs, axis=-2))

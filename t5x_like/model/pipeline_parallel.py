@@ -125,7 +125,8 @@ def run_pipeline_blocks(config: GPTConfig, stacked_params, x, segment_ids, posit
   def run_stage(stage_weights, repeat, h, seg, stage_pos, stats):  # one stage: one chunk on one microbatch
     if v > 1:  # this iteration's chunk; named so the checkpoint below recomputes the slice instead of saving it
       stage_weights = jax.tree.map(lambda w: checkpoint_name(w[repeat], _CHUNK), stage_weights)
-    return blocks_lib.run_blocks(config, stage_weights, h, layers.causal_segment_mask(seg), stage_pos, stats)
+    mask = layers.causal_segment_mask(seg, config.sliding_window)
+    return blocks_lib.run_blocks(config, stage_weights, h, mask, stage_pos, stats)
 
   if v > 1:  # without this, the backward would keep a copy of the chunk's weights for every iteration
     run_stage = jax.checkpoint(run_stage, policy=jax.checkpoint_policies.save_anything_except_these_names(_CHUNK),

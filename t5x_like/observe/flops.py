@@ -10,7 +10,8 @@ the learned position table (a gather) and, for untied embeddings, the input toke
 The tied token embedding is counted once, as the output projection it also is. LayerNorm and bias
 parameters are included (a rounding error at these sizes). L·T·d = L·H·Q·T: per token, QKᵀ and
 attention·V are 2·T·d multiply-adds each in the forward pass, ×3 for forward + backward. PaLM does
-not halve it for causal masking; `causal_halved=True` counts only the unmasked half. These are *model*
+not halve it for causal masking; `causal_halved=True` counts only the unmasked half. A sliding window W < T
+(GPTConfig.sliding_window) replaces T by W (`attended_keys`). These are *model*
 FLOPs: rematerialisation's recomputed forward is not counted (see `hardware_flops_per_token`).
 
 Mixture of experts: N counts the *active* parameters, those one token meets: the router and top_k of the
@@ -98,10 +99,18 @@ def moe_dispatch_flops_per_token(cfg: model_lib.GPTConfig, seq_len: int) -> floa
   return cfg.num_moe_layers * (2 * 2.0 * slots * cfg.d_model + padding)
 
 
+def attended_keys(cfg: model_lib.GPTConfig, seq_len: int, causal_halved: bool) -> float:
+  """Keys each query is counted against: T (PaLM), T/2 with `causal_halved`; with a sliding window W < T, W, or
+  halved the mean of min(i + 1, W) over the T queries, ≈ W − W²/(2T) (equal to T/2 at W = T)."""
+  window = cfg.sliding_window
+  if not window or window >= seq_len:
+    return seq_len / 2 if causal_halved else float(seq_len)
+  return window - window * window / (2.0 * seq_len) if causal_halved else float(window)
+
+
 def _attention_flops(cfg: model_lib.GPTConfig, seq_len: int, causal_halved: bool) -> float:
-  """Forward attention FLOPs per token: QKᵀ and probs·V, 2·T·d each per layer."""
-  full = 4.0 * cfg.num_layers * seq_len * cfg.d_model
-  return full / 2 if causal_halved else full
+  """Forward attention FLOPs per token: QKᵀ and probs·V, 2·T·d each per layer (T: attended_keys)."""
+  return 4.0 * cfg.num_layers * attended_keys(cfg, seq_len, causal_halved) * cfg.d_model
 
 
 def forward_flops_per_token(cfg: model_lib.GPTConfig, seq_len: int, causal_halved: bool = False) -> float:

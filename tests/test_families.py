@@ -1,0 +1,250 @@
+"""Qwen2, Qwen3 and Mistral on the one decoder (qkv_bias, qk_norm, sliding_window) against the real transformers
+(CPU, small random models built here, no hub download): imported logits on left- and right-padded batches, exports
+that transformers reloads bit-exact, greedy tokens, decoding past the sliding window, packed documents under the
+window, the published parameter counts of qwen3_8b / mistral_7b, and config.json options we refuse by name."""
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from t5x_like.inference import sampling  # pylint: disable=g-import-not-at-top
+from t5x_like.interop import hf  # pylint: disable=g-import-not-at-top
+from t5x_like.interop import hf_config  # pylint: disable=g-import-not-at-top
+from t5x_like.model import decoder  # pylint: disable=g-import-not-at-top
+from t5x_like.model import layers  # pylint: disable=g-import-not-at-top
+from t5x_like.observe import flops  # pylint: disable=g-import-not-at-top
+from t5x_like.training import checkpointing  # pylint: disable=g-import-not-at-top
+from tests import test_parallelism  # pylint: disable=g-import-not-at-top
+from tests.decode_reference import engine_tokens, generate_by_recompute  # pylint: disable=g-import-not-at-top
+from tests.hf_reference import COMMON, INIT, VOCAB, padded_batch, save_tokenizer  # pylint: disable=g-import-not-at-top
+from tests.test_interop import _tensors  # pylint: disable=g-import-not-at-top
+from tests.test_llama import _model_config  # pylint: disable=g-import-not-at-top
+
+WINDOW = 5  # Mistral's window: shorter than every test sequence
+ARCH = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64)
+FAMILIES = {
+    # multi-head (our fused qkv slots carry the biases), tied embeddings as the small Qwen2.5 models have them
+    "qwen2": (transformers.Qwen2Config, dict(ARCH, num_key_value_heads=4, tie_word_embeddings=True,
+                                             rope_theta=1000.0)),
+    # grouped-query, untied; head_dim given (transformers' Qwen3 default is 128)
+    "qwen3": (transformers.Qwen3Config, dict(ARCH, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)),
+    "mistral": (transformers.MistralConfig, dict(ARCH, num_key_value_heads=2, sliding_window=WINDOW,
+                                                 tie_word_embeddings=False)),
+}
+OPTIONS = {"qwen2": dict(qkv_bias=True, use_bias=False, tie_embeddings=True),
+           "qwen3": dict(qk_norm=True, use_bias=False, tie_embeddings=False),
+           "mistral": dict(sliding_window=WINDOW, use_bias=False, tie_embeddings=False)}
+LEFT_PADDED = [[5, 17, 42, 9, 250, 33, 8, 71, 120, 3, 99, 64], [7, 260, 11, 40, 2, 19, 77], [31, 6, 210, 45]]
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+  """name → (HF model in float32 eval mode, its folder, our MODEL_DIR, float32 GPTConfig, params)."""
+  tokenizer = save_tokenizer(str(tmp_path_factory.mktemp("tokenizer")))
+  out = {}
+  for i, (name, (config_cls, kwargs)) in enumerate(FAMILIES.items()):
+    torch.manual_seed(10 + i)
+    config = config_cls(**COMMON, initializer_range=INIT, **kwargs)
+    config._attn_implementation = "eager"  # pylint: disable=protected-access
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # transformers starts biases at 0 and norm scales at 1: a mapping error would not show
+      for key, p in model.named_parameters():
+        if key.endswith("bias") or "norm" in key:
+          p.normal_(1.0 if "norm" in key else 0.0, 0.5)
+    folder = str(tmp_path_factory.mktemp(name))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    model_dir = str(tmp_path_factory.mktemp("imported") / name)
+    ours = hf.import_hf(folder, model_dir)
+    _, params = checkpointing.restore_params(model_dir)
+    out[name] = (model, folder, model_dir, dataclasses.replace(ours, dtype="float32"), params)
+  return out
+
+
+def _logits_pair(model, config, params, tokens, segment_ids):
+  """(ours, transformers') float32 logits, the positions counting each row's real tokens from 0."""
+  positions = np.maximum(np.cumsum(segment_ids, axis=1) - 1, 0).astype(np.int32)
+  ours = np.asarray(jax.jit(decoder.GPT(config).apply)({"params": params}, tokens, positions, segment_ids))
+  with torch.no_grad():
+    theirs = model(torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(segment_ids),
+                   position_ids=torch.tensor(positions, dtype=torch.long)).logits.numpy()
+  return ours[..., :VOCAB], theirs
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_imported_logits_equal_transformers(name, families):
+  model, _, model_dir, config, params = families[name]
+  assert {k: getattr(config, k) for k in OPTIONS[name]} == OPTIONS[name]
+  for tokens, segment_ids in (sampling.left_pad(LEFT_PADDED), padded_batch()):  # left-, then right-padded
+    tokens, segment_ids = np.asarray(tokens), np.asarray(segment_ids)
+    ours, theirs = _logits_pair(model, config, params, tokens, segment_ids)
+    valid = segment_ids.astype(bool)
+    assert np.abs(theirs[valid]).max() > 1.0  # logits big enough that a mapping error would show
+    np.testing.assert_allclose(ours[valid], theirs[valid], atol=1e-4, rtol=0)
+  with open(os.path.join(model_dir, "model.gin"), encoding="utf-8") as f:
+    gin_text = f.read()
+  assert all(f"model.GPTConfig.{k} = {v!r}" in gin_text for k, v in OPTIONS[name].items())
+
+
+def test_mistral_window_is_what_makes_long_sequences_match(families):
+  """12 tokens through a window of 5: the same model with full causal attention is far from transformers."""
+  model, _, _, config, params = families["mistral"]
+  tokens, segment_ids = (np.asarray(a) for a in sampling.left_pad(LEFT_PADDED))
+  full, theirs = _logits_pair(model, dataclasses.replace(config, sliding_window=0), params, tokens, segment_ids)
+  late = np.zeros_like(segment_ids, bool)
+  late[0, WINDOW:] = True  # the first row's tokens that have more than WINDOW predecessors
+  assert np.abs(full[late] - theirs[late]).max() > 1e-2
+  early = np.zeros_like(late)
+  early[0, :WINDOW] = True  # ... and those that do not are unaffected
+  np.testing.assert_allclose(full[early], theirs[early], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_export_reloads_in_transformers_bit_exact(name, families, tmp_path):
+  model, folder, model_dir, config, _ = families[name]
+  out = str(tmp_path / "exported")
+  assert hf.export_hf(model_dir, out, config) == 0
+  original, exported = _tensors(folder), _tensors(out)
+  assert sorted(exported) == sorted(original)
+  for key, value in original.items():
+    assert exported[key].dtype == value.dtype and np.array_equal(exported[key], value), key
+  loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+  assert type(loaded) is type(model)
+  assert loaded.config.tie_word_embeddings == model.config.tie_word_embeddings
+  assert loaded.config.sliding_window == model.config.sliding_window
+
+
+# Fast subset: Mistral (decoding past its window); CI runs the Qwen models too.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n != "mistral" else n for n in FAMILIES])
+def test_greedy_generation_equals_transformers(name, families):
+  """Left-padded prompts; Mistral's rows decode past the window (7 + 6 tokens, window 5)."""
+  model, _, _, config, params = families[name]
+  prompts = LEFT_PADDED[1:]
+  tokens, segment_ids = sampling.left_pad(prompts)
+  ours = engine_tokens(config, params, prompts, 6)
+  with torch.no_grad():
+    theirs = model.generate(torch.tensor(tokens, dtype=torch.long),
+                            attention_mask=torch.tensor(segment_ids, dtype=torch.long),
+                            max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+  np.testing.assert_array_equal(ours, theirs[:, tokens.shape[1]:].numpy())
+
+
+@pytest.mark.slow  # fast subset: test_greedy_generation_equals_transformers[mistral] decodes past the window
+def test_mistral_decoding_past_the_window_equals_recompute(families):
+  """The KV cache keeps every column; the window mask must hide those more than W − 1 behind the query."""
+  _, _, _, config, params = families["mistral"]
+  prompts = np.array([LEFT_PADDED[0][:4], LEFT_PADDED[1][:4]], np.int32)
+  cached = engine_tokens(config, params, prompts, 7)
+  recomputed = generate_by_recompute(params, prompts, config=config, max_new_tokens=7)
+  np.testing.assert_array_equal(cached, np.asarray(recomputed))
+
+
+def test_packed_documents_stay_isolated_under_the_window(families):
+  """A document packed after another sees only its own last W tokens: its logits are those it has alone."""
+  _, _, _, config, params = families["mistral"]
+  rng = np.random.RandomState(1)
+  doc_a, doc_b = rng.randint(0, VOCAB, 6), rng.randint(0, VOCAB, 10)
+  packed = np.concatenate([doc_a, doc_b])[None].astype(np.int32)
+  segments = np.array([[1] * 6 + [2] * 10], np.int32)
+  positions = np.array([list(range(6)) + list(range(10))], np.int32)
+  apply = jax.jit(decoder.GPT(config).apply)
+  packed_logits = apply({"params": params}, packed, positions, segments)
+  alone = apply({"params": params}, doc_b[None].astype(np.int32))
+  np.testing.assert_allclose(packed_logits[0, 6:], alone[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, published", [("qwen3_8b", 8_190_735_360), ("mistral_7b", 7_241_732_096)])
+def test_big_configs_have_the_published_parameter_counts(name, published):
+  """Qwen3-8B (8.19B) and Mistral-7B-v0.1 (7.24B), counted as the planner counts them."""
+  cfg = _model_config(name)
+  cfg.validate()
+  assert decoder.count_params(cfg) == published
+  assert hf_config.export_architecture(cfg) == {"qwen3_8b": hf_config.QWEN3, "mistral_7b": hf_config.MISTRAL}[name]
+
+
+@pytest.mark.parametrize("name", ["qwen2_tiny", "qwen3_tiny", "mistral_tiny"])
+def test_tiny_configs_are_their_family(name):
+  cfg = _model_config(name)
+  cfg.validate()
+  assert hf_config.export_architecture(dataclasses.replace(cfg, vocab_size=256)) == {
+      "qwen2_tiny": hf_config.QWEN2, "qwen3_tiny": hf_config.QWEN3, "mistral_tiny": hf_config.MISTRAL}[name]
+
+
+def test_sliding_window_attention_flops():
+  """A window W < T counts W keys per query (halved: the mean of min(i + 1, W)); W ≥ T changes nothing."""
+  cfg = _model_config("mistral_7b")
+  full = dataclasses.replace(cfg, sliding_window=0)
+  attention = lambda c, t, halved: flops.forward_flops_per_token(c, t, halved) - 2.0 * flops.matmul_params(c)
+  assert attention(cfg, 4096, False) == attention(full, 4096, False)
+  assert attention(cfg, 16384, False) == pytest.approx(attention(full, 16384, False) / 4)
+  exact = np.minimum(np.arange(1, 16385), 4096).mean()
+  assert attention(cfg, 16384, True) == pytest.approx(4.0 * cfg.num_layers * cfg.d_model * exact, rel=1e-4)
+
+
+BASE = dict(COMMON, architectures=None, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=64)
+REFUSED = {
+    "qwen3_attention_bias": (dict(model_type="qwen3", attention_bias=True), "attention_bias=True is not supported"),
+    "qwen2_mixed_window": (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
+                           "max_window_layers=1 mixes sliding-window and full-attention layers"),
+    "qwen3_layer_types": (dict(model_type="qwen3", use_sliding_window=True, sliding_window=8,
+                               layer_types=["full_attention", "sliding_attention"]), "layer_types mixes"),
+    "qwen3_head_dim": (dict(model_type="qwen3", head_dim=128), "head_dim=128"),
+    "mistral_rope": (dict(model_type="mistral", rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+                     "rope_type='yarn' is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_unsupported_options_are_one_named_error(case):
+  changes, message = REFUSED[case]
+  with pytest.raises(ValueError, match=message) as error:
+    hf_config.from_hf({**BASE, **changes}, "config.json")
+  assert "\n" not in str(error.value) and "config.json" in str(error.value)
+
+
+def test_qwen_window_on_every_layer_imports_and_exports():
+  """use_sliding_window with max_window_layers 0 is one window for every layer, and exports as such."""
+  _, cfg = hf_config.from_hf({**BASE, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8,
+                              "max_window_layers": 0}, "config.json")
+  assert (cfg.sliding_window, cfg.qkv_bias, cfg.use_bias) == (8, True, False)
+  written = hf_config.to_hf(cfg)
+  assert written["use_sliding_window"] and written["layer_types"] == ["sliding_attention"] * 2
+  assert hf_config.from_hf(written, "x")[1] == cfg
+  with pytest.raises(ValueError, match="GPTConfig.qk_norm with use_bias=True"):
+    hf_config.export_architecture(dataclasses.replace(cfg, qk_norm=True, use_bias=True))
+
+
+LAYOUT_BASE = dataclasses.replace(test_parallelism.CFG, num_layers=2, norm="rmsnorm", mlp_activation="swiglu",
+                                  position_embedding="rope", num_kv_heads=4, use_bias=False, qkv_bias=True,
+                                  qk_norm=True, sliding_window=6)
+
+
+@pytest.mark.slow  # ~40 s on 2 cores
+def test_all_three_options_train_on_data_fsdp_tensor_and_pipeline_like_one_device():
+  """qkv_bias + qk_norm + sliding_window (6 < the 16-token rows of packed documents) on data2×fsdp2×tensor2 and on
+  pipeline2×data2×tensor2 (each stage rebuilds the windowed mask of its microbatch)."""
+  initial = test_parallelism.host_initial_state(LAYOUT_BASE)
+  reference = test_parallelism.train(initial, {"data": 1}, devices=jax.devices()[:1], base=LAYOUT_BASE)
+  for mesh_shape in ({"data": 2, "fsdp": 2, "tensor": 2}, {"pipeline": 2, "data": 2, "tensor": 2}):
+    test_parallelism.assert_same_training(test_parallelism.train(initial, mesh_shape, base=LAYOUT_BASE), reference)
+
+
+def test_blocked_causal_attention_skips_only_keys_outside_the_window():
+  """causal_attention by blocks of 4 query rows with window 3 equals plain attention under the window mask."""
+  rng = np.random.RandomState(0)
+  q, k, v = (jax.numpy.asarray(rng.normal(size=(2, 16, 4, 8)), jax.numpy.float32) for _ in range(3))
+  segment_ids = np.array([[1] * 16, [1] * 7 + [2] * 7 + [0] * 2], np.int32)
+  mask = layers.causal_segment_mask(jax.numpy.asarray(segment_ids), 3)
+  assert int(mask[0, 0, 10].sum()) == 3 and bool(mask[0, 0, 10, 8]) and not bool(mask[0, 0, 10, 7])
+  blocked = layers.causal_attention(q, k, v, mask, block=4, window=3)
+  real = np.asarray(segment_ids != 0)
+  np.testing.assert_allclose(np.asarray(blocked)[real], np.asarray(layers.reference_attention(q, k, v, mask))[real],
+                             rtol=1e-6, atol=1e-6)
