@@ -268,15 +268,15 @@ def test_bad_input_is_one_line(method, prefs, corpus, tmp_path):
       kto.Kto(bigram, undesirable_weight=-1)
 
 
-@pytest.mark.slow  # two 20-step runs through trainer.train (≈ 15 s each on 2 loaded cores)
+@pytest.mark.slow  # two 10-step runs through trainer.train (≈ 30-40 s each on 2 loaded cores)
 @pytest.mark.parametrize("method", ["orpo", "kto"])
 def test_training_raises_held_out_pairwise_accuracy(method, prefs, tmp_path):
-  """20 steps from a random base on the generated reversal task (test_dpo's): held-out pairwise accuracy (the
+  """10 steps from a random base on the generated reversal task (test_dpo's): held-out pairwise accuracy (the
   method's own reward: ORPO's length-normalised log-prob, KTO's log-ratio to the reference) from about chance to
   ≥ 0.85, and the chosen answers made likelier."""
   base_dir = str(tmp_path / "base")
   checkpointing.save_params(base_dir, host_params(TINY, seed=0))
-  config = recipe_run(tmp_path / method, prefs[0], method, base=base_dir)
+  config = recipe_run(tmp_path / method, prefs[0], method, base=base_dir, train_steps=10)
   exp = experiment_lib.Experiment(config, TINY, OPT)
   manager = checkpointing.make_manager(str(tmp_path / method), async_save=False)
   _, state, _, _ = trainer.initial_state(exp, manager, None)
