@@ -33,13 +33,13 @@ FAMILIES = {
     # multi-head (our fused qkv slots carry the biases), tied embeddings as the small Qwen2.5 models have them
     "qwen2": (transformers.Qwen2Config, dict(ARCH, num_key_value_heads=4, tie_word_embeddings=True,
                                              rope_theta=1000.0)),
-    # grouped-query, untied; head_dim given (transformers' Qwen3 default is 128)
-    "qwen3": (transformers.Qwen3Config, dict(ARCH, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)),
+    # grouped-query, untied; heads of 16 while hidden_size / heads = 8 (as Qwen3-0.6B..4B: 128 apart from d_model)
+    "qwen3": (transformers.Qwen3Config, dict(ARCH, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)),
     "mistral": (transformers.MistralConfig, dict(ARCH, num_key_value_heads=2, sliding_window=WINDOW,
                                                  tie_word_embeddings=False)),
 }
 OPTIONS = {"qwen2": dict(qkv_bias=True, use_bias=False, tie_embeddings=True),
-           "qwen3": dict(qk_norm=True, use_bias=False, tie_embeddings=False),
+           "qwen3": dict(qk_norm=True, use_bias=False, tie_embeddings=False, attention_head_dim=16),
            "mistral": dict(sliding_window=WINDOW, use_bias=False, tie_embeddings=False)}
 LEFT_PADDED = [[5, 17, 42, 9, 250, 33, 8, 71, 120, 3, 99, 64], [7, 260, 11, 40, 2, 19, 77], [31, 6, 210, 45]]
 
@@ -188,6 +188,17 @@ def test_sliding_window_attention_flops():
   assert attention(cfg, 16384, True) == pytest.approx(4.0 * cfg.num_layers * cfg.d_model * exact, rel=1e-4)
 
 
+def test_projection_flops_count_the_real_head_width(families):
+  """With attention_head_dim (16 ≠ d_model / H = 8) the FLOP count's projections are the parameters' real
+  shapes (every matmul weight once, q/k norms and the untied head included) and attention spans H·Dh."""
+  cfg = families["qwen3"][3]
+  l, d, dh, v = cfg.num_layers, cfg.d_model, cfg.head_dim, cfg.vocab_size
+  assert cfg.num_heads * dh != d
+  assert flops.matmul_params(cfg) == l * (flops.block_projection_params(cfg) + 2 * d + 2 * dh) + d + v * d
+  attention = flops.forward_flops_per_token(cfg, 12) - 2.0 * flops.matmul_params(cfg)
+  assert attention == 4.0 * l * 12 * cfg.num_heads * dh  # QKᵀ and probs·V over the H·Dh query width
+
+
 BASE = dict(COMMON, architectures=None, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=64)
 REFUSED = {
@@ -196,7 +207,7 @@ REFUSED = {
                            "max_window_layers=1 mixes sliding-window and full-attention layers"),
     "qwen3_layer_types": (dict(model_type="qwen3", use_sliding_window=True, sliding_window=8,
                                layer_types=["full_attention", "sliding_attention"]), "layer_types mixes"),
-    "qwen3_head_dim": (dict(model_type="qwen3", head_dim=128), "head_dim=128"),
+    "qwen3_odd_head_dim": (dict(model_type="qwen3", head_dim=7), "head_dim=7 is odd"),
     "mistral_rope": (dict(model_type="mistral", rope_parameters={"rope_type": "yarn", "factor": 4.0}),
                      "rope_type='yarn' is not supported"),
 }

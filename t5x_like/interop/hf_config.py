@@ -18,10 +18,10 @@ ROPE_TYPES = ("default", "llama3")
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # The GPTConfig fields a converted model.gin binds: everything that fixes the function, nothing that fixes
 # the execution (dtype, remat, attention kernel, pipeline stages come from the run's own gin files).
-MODEL_FIELDS = ("vocab_size", "valid_vocab_size", "max_len", "num_layers", "num_heads", "num_kv_heads", "d_model",
-                "d_ff", "tie_embeddings", "use_bias", "qkv_bias", "qk_norm", "sliding_window", "norm",
-                "layer_norm_epsilon", "mlp_activation", "position_embedding", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
-                "rope_high_freq_factor", "rope_original_max_len")
+MODEL_FIELDS = ("vocab_size", "valid_vocab_size", "max_len", "num_layers", "num_heads", "num_kv_heads",
+                "attention_head_dim", "d_model", "d_ff", "tie_embeddings", "use_bias", "qkv_bias", "qk_norm",
+                "sliding_window", "norm", "layer_norm_epsilon", "mlp_activation", "position_embedding", "rope_theta",
+                "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
 # ... and, for a mixture-of-experts model (num_experts > 0), these: the routing and the router's training losses.
 MOE_FIELDS = ("num_experts", "moe_top_k", "moe_every", "moe_d_ff", "moe_dropless", "moe_load_balancing_weight",
               "moe_router_z_weight")
@@ -110,15 +110,15 @@ def _from_llama(hf: dict, where: str) -> GPTConfig:
                      f"use_bias for both")
   d_model, heads = hf["hidden_size"], hf["num_attention_heads"]
   head_dim = hf.get("head_dim") or d_model // heads
-  if head_dim * heads != d_model:
-    raise ValueError(f"{where}: head_dim={head_dim} × num_attention_heads={heads} != hidden_size={d_model}: "
-                     f"t5x_like's head_dim is d_model / num_heads")
+  if head_dim * heads != d_model and head_dim % 2:
+    raise ValueError(f"{where}: head_dim={head_dim} is odd: rotary positions need an even head width")
   kv_heads = hf.get("num_key_value_heads") or heads
   return GPTConfig(vocab_size=hf["vocab_size"], max_len=max_len,
                    num_layers=hf["num_hidden_layers"], num_heads=heads, d_model=d_model,
                    d_ff=hf["intermediate_size"], tie_embeddings=hf.get("tie_word_embeddings", False),
                    layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), norm="rmsnorm", mlp_activation="swiglu",
                    position_embedding="rope", num_kv_heads=0 if kv_heads == heads else kv_heads,
+                   attention_head_dim=0 if head_dim * heads == d_model else head_dim,
                    use_bias=attention_bias, **rope_settings(hf, where))
 
 
@@ -217,7 +217,7 @@ def export_architecture(config: GPTConfig) -> str:
     return MIXTRAL
   gpt2 = (config.norm == "layernorm" and config.mlp_activation == "gelu" and config.position_embedding == "learned"
           and config.use_bias and config.kv_heads == config.num_heads and not config.qk_norm
-          and not config.sliding_window)
+          and not config.sliding_window and not config.attention_head_dim)
   if gpt2:
     return GPT2
   if config.norm == "rmsnorm" and config.mlp_activation == "swiglu" and config.position_embedding == "rope":

@@ -52,6 +52,7 @@ class GPTConfig:
   rope_high_freq_factor: float = 4.0  # Llama-3 scaling: wavelengths below original_max_len / this are kept
   rope_original_max_len: int = 8192  # Llama-3 scaling: the context length the frequencies were trained for
   num_kv_heads: int = 0  # key/value heads: 0 = num_heads (multi-head); fewer = grouped-query; 1 = multi-query
+  attention_head_dim: int = 0  # per-head width; 0 = d_model / num_heads (Qwen3-0.6B..4B set 128 apart from d_model)
   use_bias: bool = True  # biases on the attention and MLP projections and on an untied lm_head
   qkv_bias: bool = False  # biases on the query, key and value projections even when use_bias is off (Qwen2/2.5)
   qk_norm: bool = False  # RMSNorm (scale only, over head_dim) on queries and keys before rotary positions (Qwen3)
@@ -106,7 +107,7 @@ class GPTConfig:
 
   @property
   def head_dim(self) -> int:
-    return self.d_model // self.num_heads
+    return self.attention_head_dim or self.d_model // self.num_heads
 
   @property
   def compute_dtype(self):
@@ -114,8 +115,12 @@ class GPTConfig:
 
   def validate(self) -> None:
     """Raises ValueError naming the offending field."""
-    if self.d_model % self.num_heads:
-      raise ValueError(f"GPTConfig.d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+    if self.attention_head_dim < 0:
+      raise ValueError(f"GPTConfig.attention_head_dim={self.attention_head_dim} must be >= 0 (0 = d_model / "
+                       f"num_heads)")
+    if self.d_model % self.num_heads and not self.attention_head_dim:
+      raise ValueError(f"GPTConfig.d_model={self.d_model} is not divisible by num_heads={self.num_heads} (or set "
+                       f"attention_head_dim)")
     if self.scan_unroll < 0:
       raise ValueError(f"GPTConfig.scan_unroll={self.scan_unroll} must be >= 0 (0 = auto, 1 = a rolled loop)")
     if self.remat_policy not in REMAT_POLICIES:

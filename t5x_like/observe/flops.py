@@ -57,17 +57,17 @@ def matmul_params(cfg: model_lib.GPTConfig) -> int:
 def _projection_split(cfg: model_lib.GPTConfig) -> tuple:
   """Per layer (the mean over layers when only some are MoE), the active projection weights a token meets, as
   (query + keys/values, attention output, MLP input side (+ router), MLP output); biases and norms left out."""
-  d = cfg.d_model
-  qkv = d * d + 2 * d * cfg.kv_heads * cfg.head_dim
+  d, inner = cfg.d_model, cfg.num_heads * cfg.head_dim  # inner = d unless attention_head_dim sets another width
+  qkv = d * inner + 2 * d * cfg.kv_heads * cfg.head_dim
   ins = 2 if cfg.mlp_activation == "swiglu" else 1
   dense_in, dense_out = ins * d * cfg.d_ff, d * cfg.d_ff
   if not cfg.num_experts:
-    return qkv, d * d, dense_in, dense_out
+    return qkv, inner * d, dense_in, dense_out
   moe_share = cfg.num_moe_layers / cfg.num_layers
   moe_in = cfg.moe_top_k * ins * d * cfg.expert_d_ff + d * cfg.num_experts
   moe_out = cfg.moe_top_k * d * cfg.expert_d_ff
   mix = lambda dense, sparse: (1 - moe_share) * dense + moe_share * sparse
-  return qkv, d * d, mix(dense_in, moe_in), mix(dense_out, moe_out)
+  return qkv, inner * d, mix(dense_in, moe_in), mix(dense_out, moe_out)
 
 
 def block_projection_params(cfg: model_lib.GPTConfig) -> int:
@@ -109,8 +109,9 @@ def attended_keys(cfg: model_lib.GPTConfig, seq_len: int, causal_halved: bool) -
 
 
 def _attention_flops(cfg: model_lib.GPTConfig, seq_len: int, causal_halved: bool) -> float:
-  """Forward attention FLOPs per token: QKᵀ and probs·V, 2·T·d each per layer (T: attended_keys)."""
-  return 4.0 * cfg.num_layers * attended_keys(cfg, seq_len, causal_halved) * cfg.d_model
+  """Forward attention FLOPs per token: QKᵀ and probs·V, 2·T·H·Dh each per layer (T: attended_keys; H·Dh = d
+  unless attention_head_dim sets another head width)."""
+  return 4.0 * cfg.num_layers * attended_keys(cfg, seq_len, causal_halved) * (cfg.num_heads * cfg.head_dim)
 
 
 def forward_flops_per_token(cfg: model_lib.GPTConfig, seq_len: int, causal_halved: bool = False) -> float:
