@@ -19,6 +19,7 @@ from t5x_like.interop import hf_config  # pylint: disable=g-import-not-at-top
 from t5x_like.model import decoder  # pylint: disable=g-import-not-at-top
 from t5x_like.model import layers  # pylint: disable=g-import-not-at-top
 from t5x_like.observe import flops  # pylint: disable=g-import-not-at-top
+from t5x_like.planning import memory_model  # pylint: disable=g-import-not-at-top
 from t5x_like.training import checkpointing  # pylint: disable=g-import-not-at-top
 from tests import test_parallelism  # pylint: disable=g-import-not-at-top
 from tests.decode_reference import engine_tokens, generate_by_recompute  # pylint: disable=g-import-not-at-top
@@ -197,6 +198,18 @@ def test_projection_flops_count_the_real_head_width(families):
   assert flops.matmul_params(cfg) == l * (flops.block_projection_params(cfg) + 2 * d + 2 * dh) + d + v * d
   attention = flops.forward_flops_per_token(cfg, 12) - 2.0 * flops.matmul_params(cfg)
   assert attention == 4.0 * l * 12 * cfg.num_heads * dh  # QKᵀ and probs·V over the H·Dh query width
+
+
+def test_memory_model_counts_the_scores_the_window_keeps():
+  """Blocked causal attention (8 blocks of 2048 rows at T = 16384) reads from W − 1 = 4095 keys before each block's
+  first row: the memory model's per-head score buffer is those products, not the causal triangle's."""
+  cfg = _model_config("mistral_7b")
+  full = memory_model.score_elements(dataclasses.replace(cfg, sliding_window=0), 16384, 1)
+  assert full == sum(2048 * 2048 * (i + 1) for i in range(8))
+  # blocks 0 and 1 start within the window of key 0; blocks 2..7 each read 4095 + 2048 keys
+  assert memory_model.score_elements(cfg, 16384, 1) == 2048 * (2048 + 4096 + 6 * (4095 + 2048))
+  assert memory_model.score_elements(cfg, 4096, 1) == memory_model.score_elements(
+      dataclasses.replace(cfg, sliding_window=0), 4096, 1)  # a window as long as the sequence skips nothing
 
 
 BASE = dict(COMMON, architectures=None, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
