@@ -170,6 +170,28 @@ def test_big_configs_have_the_published_parameter_counts(name, published):
   assert hf_config.export_architecture(cfg) == {"qwen3_8b": hf_config.QWEN3, "mistral_7b": hf_config.MISTRAL}[name]
 
 
+# The published config.json values of Qwen/Qwen3-8B and mistralai/Mistral-7B-v0.1 (the keys our import reads).
+PUBLISHED = {
+    "qwen3_8b": (transformers.Qwen3Config, dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attention_bias=False, use_sliding_window=False, max_window_layers=36)),
+    "mistral_7b": (transformers.MistralConfig, dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-5,
+        sliding_window=4096, tie_word_embeddings=False)),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_big_configs_are_what_the_published_config_json_imports_as(name):
+  config_cls, kwargs = PUBLISHED[name]
+  _, imported = hf_config.from_hf(config_cls(**kwargs).to_dict(), "config.json")
+  ours = _model_config(name)
+  assert {k: getattr(ours, k) for k in hf_config.MODEL_FIELDS if k != "valid_vocab_size"} == {
+      k: getattr(imported, k) for k in hf_config.MODEL_FIELDS if k != "valid_vocab_size"}
+
+
 @pytest.mark.parametrize("name", ["qwen2_tiny", "qwen3_tiny", "mistral_tiny"])
 def test_tiny_configs_are_their_family(name):
   cfg = _model_config(name)
