@@ -38,10 +38,15 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, dict(ARCH, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)),
     "mistral": (transformers.MistralConfig, dict(ARCH, num_key_value_heads=2, sliding_window=WINDOW,
                                                  tie_word_embeddings=False)),
+    # Qwen2's window on every layer (max_window_layers 0): qkv_bias and sliding_window together
+    "qwen2_window": (transformers.Qwen2Config, dict(ARCH, num_key_value_heads=2, tie_word_embeddings=False,
+                                                    use_sliding_window=True, sliding_window=WINDOW,
+                                                    max_window_layers=0)),
 }
 OPTIONS = {"qwen2": dict(qkv_bias=True, use_bias=False, tie_embeddings=True),
            "qwen3": dict(qk_norm=True, use_bias=False, tie_embeddings=False, attention_head_dim=16),
-           "mistral": dict(sliding_window=WINDOW, use_bias=False, tie_embeddings=False)}
+           "mistral": dict(sliding_window=WINDOW, use_bias=False, tie_embeddings=False),
+           "qwen2_window": dict(qkv_bias=True, sliding_window=WINDOW, use_bias=False, tie_embeddings=False)}
 LEFT_PADDED = [[5, 17, 42, 9, 250, 33, 8, 71, 120, 3, 99, 64], [7, 260, 11, 40, 2, 19, 77], [31, 6, 210, 45]]
 
 
