@@ -51,7 +51,7 @@ setuptools.setup(
         "hf": HF,
         # Everything the tests exercise, Beam and transformers included.
         "test": ["pytest>=8.0", "pytest-xdist>=3.5", "apache-beam>=2.60", "matplotlib>=3.8", "prometheus_client>=0.20",
-                 "mlflow-skinny>=2.10", "openai>=1.40", "lm-eval>=0.4.13"]  # openai: the real client tests/test_serve.py calls the server with
+                 "mlflow-skinny>=2.10", "wandb>=0.16", "openai>=1.40", "lm-eval>=0.4.13"]  # openai: the real client tests/test_serve.py calls the server with
                 + SERVE + HF,
     },
 )
