@@ -1,6 +1,8 @@
-"""Experiment trackers: MLflow gets the flattened gin config, the metrics and config.gin; a failing tracker never
-stops training."""
+"""Experiment trackers: MLflow gets the flattened gin config, the metrics and config.gin; W&B (offline) the config
+and the metrics; a failing tracker never stops training."""
 
+import glob
+import json
 import logging
 import os
 import shutil
@@ -14,6 +16,8 @@ from t5x_like.observe import trackers
 from t5x_like import observe
 
 mlflow = pytest.importorskip("mlflow")  # the test extra installs it (setup.py)
+wandb_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2")  # the test extra installs wandb too
+WANDB_BLOCK = 32768  # a .wandb file is a LevelDB-style log: 32 KiB blocks of records with a 7-byte header
 
 CONFIG = """# Macros:
 # ==============================================================================
@@ -57,6 +61,55 @@ def test_unknown_tracker_is_refused():
 def test_a_missing_tracker_package_names_its_extra():
   with pytest.raises(ImportError, match=r"trackers has 'wandb': pip install 't5x_like\[wandb\]'"):
     trackers._require("no_such_package_t5x.sub", "wandb")  # pylint: disable=protected-access
+
+
+def wandb_records(model_dir) -> list:
+  """Every protobuf Record of the offline W&B runs under MODEL_DIR/wandb, in order: read from the files, as
+  `wandb sync` would (header ':W&B', magic 0xBEE1, version 0; records FULL=1 or FIRST=2 .. LAST=4)."""
+  records = []
+  for path in sorted(glob.glob(os.path.join(model_dir, "wandb", "offline-run-*", "run-*.wandb"))):
+    with open(path, "rb") as f:
+      data = f.read()
+    assert data[:7] == b":W&B\xe1\xbe\x00", path
+    pos, chunk = 7, b""
+    while pos + 7 <= len(data):
+      if WANDB_BLOCK - pos % WANDB_BLOCK < 7:  # a block's tail too short for a header is padding
+        pos += WANDB_BLOCK - pos % WANDB_BLOCK
+        continue
+      length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+      chunk, pos = chunk + data[pos + 7:pos + 7 + length], pos + 7 + length
+      if kind in (1, 4):
+        records.append(wandb_pb2.Record.FromString(chunk))
+        chunk = b""
+  return records
+
+
+def wandb_history(model_dir) -> tuple:
+  """({step: {metric: value}}, the runs' ids, their config) of the offline W&B runs under MODEL_DIR."""
+  history, ids, config = {}, set(), {}
+  for record in wandb_records(model_dir):
+    kind = record.WhichOneof("record_type")
+    if kind == "history":
+      items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+      history.setdefault(items.pop("_step"), {}).update({k: v for k, v in items.items() if not k.startswith("_")})
+    elif kind == "run":
+      ids.add(record.run.run_id)
+      config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+  return history, ids, config
+
+
+def test_wandb_offline_run_holds_config_and_metrics(tmp_path, monkeypatch):
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  model_dir = str(tmp_path / "run")
+  sinks = trackers.open_trackers(("tensorboard", "wandb"), model_dir, CONFIG, experiment="sweep_a")
+  assert len(sinks) == 1 and not sinks[0].failed
+  for step in (1, 2, 3):
+    sinks[0].write(step, {"loss": 5.0 / step, "eval/loss": 6.0 / step, "note": "text"})
+  sinks[0].close()
+  history, ids, config = wandb_history(model_dir)
+  assert history == {1: {"loss": 5.0, "eval/loss": 6.0}, 2: {"loss": 2.5, "eval/loss": 3.0},
+                     3: {"loss": 5.0 / 3, "eval/loss": 2.0}}
+  assert len(ids) == 1 and config["OptimizerConfig.name"] == "'adafactor'" and config["BATCH_SIZE"] == "16"
 
 
 def _log_run(model_dir, steps, **kwargs) -> list:
@@ -129,13 +182,16 @@ def test_a_tracker_that_cannot_start_is_left_out(tmp_path, caplog, monkeypatch):
 
 
 @pytest.mark.slow  # trains two tiny runs through the sweep and the train CLI
-def test_sweep_runs_log_to_one_mlflow_experiment_with_their_metrics_and_params(corpus, tmp_path, monkeypatch):
-  """observe.ObserveConfig.trackers=('tensorboard', 'mlflow') through train: each run of a sweep is an MLflow run in
-  the experiment named after the sweep's folder, with the final losses metrics.jsonl has and the gin config."""
+def test_sweep_runs_log_to_one_mlflow_experiment_and_to_wandb_with_their_metrics_and_params(corpus, tmp_path,
+                                                                                           monkeypatch):
+  """observe.ObserveConfig.trackers=('tensorboard', 'mlflow', 'wandb') through train: each run of a sweep is an MLflow
+  run in the experiment named after the sweep's folder, with the final losses metrics.jsonl has and the gin config,
+  and an offline W&B run under its MODEL_DIR with every logged figure of metrics.jsonl."""
   store = "file:" + str(tmp_path / "store")
   monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a file URI given by the user: their opt-in
-  environment = dict(test_sweep.env(), MLFLOW_ALLOW_FILE_STORE="true")
-  bindings = test_sweep.bindings(corpus) + ["TRAIN_STEPS = 4", "observe.ObserveConfig.trackers = ('tensorboard', 'mlflow')",
+  environment = dict(test_sweep.env(), MLFLOW_ALLOW_FILE_STORE="true", WANDB_MODE="offline")
+  bindings = test_sweep.bindings(corpus) + ["TRAIN_STEPS = 4",
+                                            "observe.ObserveConfig.trackers = ('tensorboard', 'mlflow', 'wandb')",
                                             f"observe.ObserveConfig.tracking_uri = {store!r}"]
   report = sweep.run_sweep(test_sweep.FILES, bindings, ["."], ["optimizer.OptimizerConfig.learning_rate=[3e-3,1e-2]"],
                            str(tmp_path / "lr_sweep"), env=environment)
@@ -149,3 +205,13 @@ def test_sweep_runs_log_to_one_mlflow_experiment_with_their_metrics_and_params(c
     assert float(run.data.params["OptimizerConfig.learning_rate"]) == float(run.info.run_name.split("-", 1)[1])
     assert run.data.params["TRAIN_STEPS"] == "4" and run.info.status == "FINISHED"
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.gin"]
+    model_dir = str(tmp_path / "lr_sweep" / run.info.run_name)
+    history, ids, config = wandb_history(model_dir)
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+      logged = [json.loads(line) for line in f]
+    assert len(ids) == 1 and float(config["OptimizerConfig.learning_rate"]) == float(run.info.run_name.split("-", 1)[1])
+    assert history[4]["loss"] == row["final_train_loss"] and history[4]["eval/loss"] == row["final_eval_loss"]
+    for record in logged:  # every numeric figure metrics.jsonl has, at its step
+      for key, value in record.items():
+        if key != "step" and isinstance(value, (int, float)) and value == value:
+          assert history[record["step"]][key] == value, (record["step"], key)
