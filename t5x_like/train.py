@@ -51,6 +51,7 @@ def main(argv):
     if jax.process_count() > 1:
       distributed.exit_now(e.exit_code)
     sys.exit(e.exit_code)
+  distributed.finish()  # every process leaves together (a no-op for one process)
   logging.info("done: %s", {k: v for k, v in result.items() if k.startswith(("loss", "eval/"))})
 
 

@@ -363,7 +363,7 @@ def test_dpo_learns_the_generated_preference_and_a_resumed_run_repeats_the_same_
   # `evaluate` on the run's checkpoint: the same held-out accuracy, against the reference its metadata names
   fresh = experiment_lib.Experiment(run_config(tmp_path / "dpo", data_dir), TINY, OPT)
   result = fresh.evaluate_checkpoint()
-  assert fresh.reference == origin["reference_checkpoint"]
+  assert fresh.loaded[preference.REFERENCE] == origin["reference_checkpoint"]
   assert result["eval/rewards/accuracy"] == pytest.approx(after["eval/rewards/accuracy"], abs=1e-9)
   # rewound to step 18 and resumed: steps 19 and 20 repeat bit for bit
   rewound = conftest.rewind(tmp_path / "dpo", tmp_path / "resumed", steps - 2)

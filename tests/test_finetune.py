@@ -96,10 +96,9 @@ def test_warm_start_gives_the_base_then_a_resumed_run_continues_from_its_own_che
 
 def test_empty_initial_checkpoint_path_is_refused(corpus, tmp_path):
   exp = experiment_lib.Experiment(run_config(tmp_path / "ft", corpus), TINY, OPT)
-  manager = checkpointing.make_manager(str(tmp_path / "ft"), async_save=False)
   with pytest.raises(ValueError, match="INITIAL_CHECKPOINT_PATH is empty"):
-    trainer.initial_state(exp, manager, None)
-  manager.close()
+    exp.validate(resuming=False)  # trainer.train's one pass before anything compiles
+  exp.validate(resuming=True)  # a resumed run reads its own checkpoints, not INITIAL_CHECKPOINT_PATH
 
 
 @pytest.mark.parametrize("base_change, run_change, message", [

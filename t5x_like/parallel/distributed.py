@@ -13,6 +13,7 @@ from typing import Optional
 from absl import flags
 from absl import logging
 import jax
+from jax._src import distributed as jax_distributed  # the coordination-service client (barrier, live nodes)
 from jax.experimental import multihost_utils
 
 from t5x_like import errors
@@ -69,7 +70,7 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
     raise ValueError("--coordinator_address needs --num_processes and --process_id as well")
   if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
     raise ValueError(f"--process_id={process_id} is outside 0..{num_processes - 1} (--num_processes={num_processes})")
-  _HEARTBEAT_TIMEOUT[0] = heartbeat_timeout
+  _HEARTBEAT_TIMEOUT[0], _SHUTDOWN_TIMEOUT[0] = heartbeat_timeout, shutdown_timeout
   # A dead peer is not fatal to the coordination service: without this, jaxlib's client aborts every survivor
   # the moment the service sees a task die (a C++ check failure and exit 134). With it, the survivor's next
   # collective fails as a Python error, and `explain` names the dead process(es) in the one-line exit.
@@ -141,24 +142,52 @@ def explain(exc: BaseException, with_type: bool = False) -> str:
   return reason
 
 
+_FINISHING = threading.Event()  # set once this process leaves on purpose: the peer watcher stops
+_SHUTDOWN_TIMEOUT = [60]
+
+
 def _watch_peers(heartbeat_timeout: int) -> None:
   """A daemon thread asks the coordination service which processes are alive (`live_processes`, a barrier every
   live process's watcher joins) and, when one is gone, ends this process with one line naming it and exit 1: the
-  survivor's own collectives would otherwise wait on the dead peer forever. It stops at a normal exit (atexit runs
-  it before jax.distributed's shutdown), when peers leave on purpose."""
-  finishing = threading.Event()
-  atexit.register(finishing.set)
+  survivor's own collectives would otherwise wait on the dead peer forever. It stops when this process finishes
+  (`finish`, or atexit, which runs before jax.distributed's shutdown)."""
+  atexit.register(_FINISHING.set)
   interval = max(1.0, heartbeat_timeout / 10)
 
   def watch():
-    while not finishing.wait(interval):
+    while not _FINISHING.wait(interval):
       missing = missing_processes(0)
-      if missing and not finishing.is_set():
+      if missing and not _FINISHING.is_set():
         print(f"error: process {jax.process_index()}: process(es) {missing} stopped responding (found by the "
               "coordination service's liveness check)", file=sys.stderr, flush=True)
         exit_now(1)
 
   threading.Thread(target=watch, name="t5x_like-peer-watch", daemon=True).start()
+
+
+def finish() -> None:
+  """A multi-process run's normal end, called by every process once its work is done: all processes meet at a
+  barrier (a peer still saving or logging is not taken for dead), the peer watchers stop, and process 0, which hosts
+  the coordination service, waits for the others to disconnect before it shuts the service down. Recoverable tasks
+  (see `initialize`) skip jax.distributed's own shutdown barrier, so without this a process that ends first looks
+  dead to a slower peer's watcher, and process 0 ending first takes the service from under a peer's shutdown (a
+  jaxlib abort). A no-op in a single-process run."""
+  if not jax.distributed.is_initialized():
+    return
+  client = jax_distributed.global_state.client
+  client.wait_at_barrier("t5x_like.finished", _SHUTDOWN_TIMEOUT[0] * 1000)
+  _FINISHING.set()
+  if jax.process_index() != 0:
+    return
+  everyone, deadline = list(range(jax.process_count())), time.time() + _SHUTDOWN_TIMEOUT[0]
+  while time.time() < deadline:  # get_live_nodes returns once every live process asked, or has disconnected
+    live = {}
+    query = threading.Thread(target=lambda: live.update(client.get_live_nodes(everyone)), daemon=True)
+    query.start()
+    query.join(max(0.0, deadline - time.time()))
+    if set(live) == {0}:
+      return
+    time.sleep(0.2)
 
 
 def may_be_a_dead_peer(exc_type, tb) -> bool:
