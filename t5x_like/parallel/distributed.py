@@ -13,7 +13,6 @@ from typing import Optional
 from absl import flags
 from absl import logging
 import jax
-from jax._src import distributed as jax_distributed  # the coordination-service client (barrier, live nodes)
 from jax.experimental import multihost_utils
 
 from t5x_like import errors
@@ -174,18 +173,24 @@ def finish() -> None:
   jaxlib abort). A no-op in a single-process run."""
   if not jax.distributed.is_initialized():
     return
-  client = jax_distributed.global_state.client
-  client.wait_at_barrier("t5x_like.finished", _SHUTDOWN_TIMEOUT[0] * 1000)
+  multihost_utils.sync_global_devices("t5x_like.finished")
   _FINISHING.set()
   if jax.process_index() != 0:
     return
-  everyone, deadline = list(range(jax.process_count())), time.time() + _SHUTDOWN_TIMEOUT[0]
-  while time.time() < deadline:  # get_live_nodes returns once every live process asked, or has disconnected
-    live = {}
-    query = threading.Thread(target=lambda: live.update(client.get_live_nodes(everyone)), daemon=True)
+  deadline = time.time() + _SHUTDOWN_TIMEOUT[0]
+  while time.time() < deadline:  # the live-process query returns once every live process asked, or disconnected
+    live = []
+
+    def ask():
+      try:
+        live.append(live_processes())
+      except Exception:  # pylint: disable=broad-except  # (a thread's exception would end the process)
+        live.append(None)
+
+    query = threading.Thread(target=ask, daemon=True)
     query.start()
     query.join(max(0.0, deadline - time.time()))
-    if set(live) == {0}:
+    if live and live[0] == {0}:
       return
     time.sleep(0.2)
 
