@@ -118,30 +118,6 @@ def test_unknown_task_empty_folder_missing_field_and_too_many_shots_are_one_line
     lm_tasks.task_manager(["ends"], folder)
 
 
-@pytest.mark.slow  # a short training launch and two evaluate launches
-def test_evaluate_tasks_cli_runs_the_shipped_tasks_and_writes_lm_evals_results(corpus, tmp_path):
-  model_dir = str(tmp_path / "run")
-  assert subprocess.run(launch_args(model_dir, corpus, 2) + ["--gin.model.GPTConfig.max_len=128"], cwd=REPO,
-                        env=launch_env(), capture_output=True, timeout=300).returncode == 0
-  base = [sys.executable, "-m", "t5x_like.evaluate", f"--gin_file={model_dir}/config.gin"]
-  out = str(tmp_path / "results.json")
-  done = subprocess.run(base + ["--tasks=pystdlib_next_line,pystdlib_cloze,copy_digits", "--limit=4",
-                                f"--output_file={out}"], cwd=REPO, env=launch_env(), capture_output=True,
-                        text=True, timeout=600)
-  assert done.returncode == 0, done.stderr[-3000:]
-  assert "|pystdlib_next_line|" in done.stdout and "exact_match" in done.stdout
-  results = json.load(open(out))["results"]
-  assert set(results) == {"pystdlib_next_line", "pystdlib_cloze", "copy_digits"}
-  assert results["pystdlib_next_line"]["sample_len"] == 4 and 0 <= results["pystdlib_next_line"]["acc,none"] <= 1
-  assert results["copy_digits"]["exact_match,none"] >= 0 and results["pystdlib_cloze"]["perplexity,none"] > 1
-  shutil.copytree(lm_tasks.shipped_task_dir(), tmp_path / "tasks")
-  done = subprocess.run(base + ["--tasks=copy_digits", "--num_fewshot=50", f"--task_dir={tmp_path / 'tasks'}"],
-                        cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
-  assert done.returncode == 1
-  assert done.stderr.strip().splitlines()[-1].startswith("error: task 'copy_digits'"), done.stderr[-2000:]
-  assert "--num_fewshot=50 but the data holds only 20" in done.stderr
-
-
 def _corpus_task(folder):
   """A multiple-choice task over the shared test corpus's sentences (tests/conftest.write_corpus)."""
   rows = [{"context": "every host", "choices": [" restores tokens.", " blue sky."], "label": 0},
@@ -149,13 +125,16 @@ def _corpus_task(folder):
   return _write_mc_task(folder, "hosts", rows)
 
 
-@pytest.mark.slow  # two training launches
-def test_tasks_in_the_training_loop_reach_metrics_tensorboard_and_the_plot(corpus, tmp_path):
+@pytest.mark.slow  # two training launches, two evaluate launches
+def test_tasks_in_the_training_loop_and_the_evaluate_cli(corpus, tmp_path):
+  """In the loop: task scores at the interval in metrics.jsonl, TensorBoard and the plot's Tasks panel; an unknown
+  task stops the start in one line. After: `evaluate --tasks` on the same run's checkpoint runs the shipped tasks
+  and writes lm-eval's results; a bad --num_fewshot is one line."""
   from t5x_like.observe import plots  # pylint: disable=g-import-not-at-top
   tasks = _corpus_task(str(tmp_path / "tasks"))
   model_dir = str(tmp_path / "run")
   flags = ["--gin.observe.ObserveConfig.tasks=('hosts',)", "--gin.observe.ObserveConfig.task_every=2",
-           f"--gin.observe.ObserveConfig.task_dir='{tasks}'"]
+           f"--gin.observe.ObserveConfig.task_dir='{tasks}'", "--gin.model.GPTConfig.max_len=128"]
   done = subprocess.run(launch_args(model_dir, corpus, 4) + flags, cwd=REPO, env=launch_env(), capture_output=True,
                         text=True, timeout=400)
   assert done.returncode == 0, done.stderr[-3000:]
@@ -176,6 +155,24 @@ def test_tasks_in_the_training_loop_reach_metrics_tensorboard_and_the_plot(corpu
   assert done.returncode == 1
   assert done.stderr.strip().splitlines()[-1].startswith("error: unknown task 'nope'"), done.stderr[-2000:]
   assert not any("loss" in r for r in plots.read_records(str(tmp_path / "bad")))  # no step ran (only the report)
+  # the evaluate CLI on the run's checkpoint: the shipped tasks, then a bad --num_fewshot
+  base = [sys.executable, "-m", "t5x_like.evaluate", f"--gin_file={model_dir}/config.gin"]
+  out = str(tmp_path / "results.json")
+  done = subprocess.run(base + ["--tasks=pystdlib_next_line,pystdlib_cloze,copy_digits", "--limit=4",
+                                f"--output_file={out}"], cwd=REPO, env=launch_env(), capture_output=True,
+                        text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "|pystdlib_next_line|" in done.stdout and "exact_match" in done.stdout
+  results = json.load(open(out))["results"]
+  assert set(results) == {"pystdlib_next_line", "pystdlib_cloze", "copy_digits"}
+  assert results["pystdlib_next_line"]["sample_len"] == 4 and 0 <= results["pystdlib_next_line"]["acc,none"] <= 1
+  assert results["copy_digits"]["exact_match,none"] >= 0 and results["pystdlib_cloze"]["perplexity,none"] > 1
+  shutil.copytree(lm_tasks.shipped_task_dir(), tmp_path / "shipped")
+  done = subprocess.run(base + ["--tasks=copy_digits", "--num_fewshot=50", f"--task_dir={tmp_path / 'shipped'}"],
+                        cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines()[-1].startswith("error: task 'copy_digits'"), done.stderr[-2000:]
+  assert "--num_fewshot=50 but the data holds only 20" in done.stderr
 
 
 def test_a_task_failing_mid_run_is_reported_once_and_training_goes_on(monkeypatch, caplog):

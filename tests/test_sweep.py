@@ -147,9 +147,17 @@ def _launches(model_dir) -> list:
 
 
 @pytest.mark.slow  # trains 4 tiny runs, then the same sweep again with a kill -9 in its second run
-def test_sweep_killed_mid_way_and_relaunched_gives_the_same_table(corpus, tmp_path):
-  reference = str(tmp_path / "reference")
-  report = sweep.run_sweep(FILES, bindings(corpus), ["."], GRID, reference, env=env())
+def test_sweep_killed_mid_way_and_relaunched_gives_the_same_table(corpus, tmp_path, monkeypatch):
+  """The uninterrupted sweep also logs every run to MLflow and W&B (tests/test_trackers.check_sweep_trackers); the
+  same sweep through the CLI, killed -9 mid-way and relaunched, writes the same table."""
+  from tests import test_trackers  # pylint: disable=g-import-not-at-top  # (it needs mlflow and wandb)
+  reference, store = str(tmp_path / "reference"), "file:" + str(tmp_path / "store")
+  monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a file URI given by the user: their opt-in
+  tracked = bindings(corpus) + ["observe.ObserveConfig.trackers = ('tensorboard', 'mlflow', 'wandb')",
+                                f"observe.ObserveConfig.tracking_uri = {store!r}"]
+  report = sweep.run_sweep(FILES, tracked, ["."], GRID, reference,
+                           env=dict(env(), MLFLOW_ALLOW_FILE_STORE="true", WANDB_MODE="offline"))
+  test_trackers.check_sweep_trackers(report, store, reference, STEPS)
   rows = _table(reference)
   assert [r["run"] for r in rows] == ["name-adamw__learning_rate-0.003", "name-adamw__learning_rate-0.01",
                                       "name-adafactor__learning_rate-0.003", "name-adafactor__learning_rate-0.01"]

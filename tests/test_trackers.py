@@ -9,9 +9,6 @@ import shutil
 
 import pytest
 
-from tests import test_sweep
-
-from t5x_like.experiments import sweep
 from t5x_like.observe import trackers
 from t5x_like import observe
 
@@ -181,36 +178,29 @@ def test_a_tracker_that_cannot_start_is_left_out(tmp_path, caplog, monkeypatch):
   assert sinks == [] and len(starts) == 1 and "blocked" in starts[0], starts
 
 
-@pytest.mark.slow  # trains two tiny runs through the sweep and the train CLI
-def test_sweep_runs_log_to_one_mlflow_experiment_and_to_wandb_with_their_metrics_and_params(corpus, tmp_path,
-                                                                                           monkeypatch):
-  """observe.ObserveConfig.trackers=('tensorboard', 'mlflow', 'wandb') through train: each run of a sweep is an MLflow
-  run in the experiment named after the sweep's folder, with the final losses metrics.jsonl has and the gin config,
-  and an offline W&B run under its MODEL_DIR with every logged figure of metrics.jsonl."""
-  store = "file:" + str(tmp_path / "store")
-  monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a file URI given by the user: their opt-in
-  environment = dict(test_sweep.env(), MLFLOW_ALLOW_FILE_STORE="true", WANDB_MODE="offline")
-  bindings = test_sweep.bindings(corpus) + ["TRAIN_STEPS = 4",
-                                            "observe.ObserveConfig.trackers = ('tensorboard', 'mlflow', 'wandb')",
-                                            f"observe.ObserveConfig.tracking_uri = {store!r}"]
-  report = sweep.run_sweep(test_sweep.FILES, bindings, ["."], ["optimizer.OptimizerConfig.learning_rate=[3e-3,1e-2]"],
-                           str(tmp_path / "lr_sweep"), env=environment)
+def check_sweep_trackers(report, store, sweep_dir, steps) -> None:
+  """observe.ObserveConfig.trackers=('tensorboard', 'mlflow', 'wandb') through train, checked on a finished sweep
+  (tests/test_sweep's uninterrupted 2×2 sweep, which logs to both): each run is an MLflow run in the experiment named
+  after the sweep's folder, with the final losses metrics.jsonl has, the gin config and config.gin, and an offline
+  W&B run under its MODEL_DIR with every logged figure of metrics.jsonl at its step."""
   client = mlflow.tracking.MlflowClient(store)
-  runs = client.search_runs([client.get_experiment_by_name("lr_sweep").experiment_id])
-  assert sorted(r.info.run_name for r in runs) == ["learning_rate-0.003", "learning_rate-0.01"]
+  runs = client.search_runs([client.get_experiment_by_name(os.path.basename(sweep_dir)).experiment_id])
+  assert sorted(r.info.run_name for r in runs) == sorted(row["run"] for row in report["rows"])
   for run in runs:
     row = next(r for r in report["rows"] if r["run"] == run.info.run_name)
+    values = dict(part.split("-", 1) for part in run.info.run_name.split("__"))  # name-adamw__learning_rate-0.01
     assert run.data.metrics["loss"] == row["final_train_loss"] and run.data.metrics["eval/loss"] == row["final_eval_loss"]
     assert run.data.metrics["memory/opt_state_bytes_per_device"] == row["opt_state_bytes_per_device"]
-    assert float(run.data.params["OptimizerConfig.learning_rate"]) == float(run.info.run_name.split("-", 1)[1])
-    assert run.data.params["TRAIN_STEPS"] == "4" and run.info.status == "FINISHED"
+    assert float(run.data.params["OptimizerConfig.learning_rate"]) == float(values["learning_rate"])
+    assert values["name"] in run.data.params["OptimizerConfig.name"]
+    assert run.data.params["TRAIN_STEPS"] == str(steps) and run.info.status == "FINISHED"
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.gin"]
-    model_dir = str(tmp_path / "lr_sweep" / run.info.run_name)
+    model_dir = os.path.join(sweep_dir, run.info.run_name)
     history, ids, config = wandb_history(model_dir)
     with open(os.path.join(model_dir, "metrics.jsonl")) as f:
       logged = [json.loads(line) for line in f]
-    assert len(ids) == 1 and float(config["OptimizerConfig.learning_rate"]) == float(run.info.run_name.split("-", 1)[1])
-    assert history[4]["loss"] == row["final_train_loss"] and history[4]["eval/loss"] == row["final_eval_loss"]
+    assert len(ids) == 1 and float(config["OptimizerConfig.learning_rate"]) == float(values["learning_rate"])
+    assert history[steps]["loss"] == row["final_train_loss"] and history[steps]["eval/loss"] == row["final_eval_loss"]
     for record in logged:  # every numeric figure metrics.jsonl has, at its step
       for key, value in record.items():
         if key != "step" and isinstance(value, (int, float)) and value == value:
