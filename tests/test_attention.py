@@ -59,8 +59,9 @@ def test_causal_attention_by_blocks_matches_reference(block):
   cotangent = jax.random.normal(jax.random.key(1), (B, L, H, DH), jnp.float32) * valid[:, :, None, None]
   kv_heads = 2  # and grouped-query: two query heads per key/value head
   for k_, v_ in ((k, v), (k[:, :, :kv_heads], v[:, :, :kv_heads])):
-    ref_out, ref_vjp = jax.vjp(lambda q, k, v: layers.reference_attention(q, k, v, mask), q, k_, v_)
-    out, vjp = jax.vjp(lambda q, k, v: layers.causal_attention(q, k, v, mask, block), q, k_, v_)
+    # jitted: one compile each (op by op, the blocked attention's many small ops took ≈ 20 s to dispatch)
+    ref_out, ref_vjp = jax.vjp(jax.jit(lambda q, k, v: layers.reference_attention(q, k, v, mask)), q, k_, v_)
+    out, vjp = jax.vjp(jax.jit(lambda q, k, v: layers.causal_attention(q, k, v, mask, block)), q, k_, v_)
     np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref_out)[valid], atol=2e-6)
     for g, r in zip(vjp(cotangent), ref_vjp(cotangent)):
       np.testing.assert_allclose(g, r, atol=2e-6)
