@@ -6,9 +6,10 @@
 Builds each run the way the trainer does (Experiment: the model from configs/models/<name>.gin, the objective,
 its frozen models restored from checkpoints on disk, the generic jitted step) and times `--steps` optimizer steps
 after one compiling step, on synthetic batches: SFT (token-weighted cross-entropy), DPO (policy + frozen
-reference on rows of pairs), reward (Bradley–Terry on the score head) and distillation from a frozen `--teacher`
-(plain and with loss_chunk = 32). Prints milliseconds per step and the start-up report's parameter, optimizer-state
-and frozen-model bytes per device (memory/frozen_reference_bytes_per_device, memory/frozen_teacher_bytes_per_device).
+reference on rows of pairs; plain and with loss_chunk = 32), reward (Bradley–Terry on the score head) and
+distillation from a frozen `--teacher` (plain and with loss_chunk = 32). Prints milliseconds per step, XLA's
+temporary bytes of the compiled step (memory_analysis: activations, logits and their gradients), and the start-up
+report's parameter, optimizer-state and frozen-model bytes per device (memory/frozen_reference_bytes_per_device, memory/frozen_teacher_bytes_per_device).
 `--devices 8 --mesh fsdp=8 --steps 0` reports the bytes of an FSDP layout without timing.
 """
 
@@ -60,7 +61,7 @@ from t5x_like.training import config as config_lib  # pylint: disable=g-import-n
 from t5x_like.recipes import experiment as experiment_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5x_like.training import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-RUNS = ("sft", "dpo", "reward", "distill", "distill_chunk32")
+RUNS = ("sft", "dpo", "dpo_chunk32", "reward", "distill", "distill_chunk32")
 
 
 def model_config(name: str, vocab: int, dtype: str) -> model_lib.GPTConfig:
@@ -103,11 +104,11 @@ def pair_batch(rng, batch: int, seq: int, vocab: int) -> dict:
 
 def run(name: str, run_kind: str, student, teacher_dir: str, base_dir: str, args, mesh_shape) -> dict:
   recipe = {"sft": config_lib.LanguageModelConfig(), "dpo": dpo_recipe.DpoConfig(),
-            "reward": reward_recipe.RewardConfig()}.get(run_kind,
+            "reward": reward_recipe.RewardConfig()}.get(run_kind.replace("_chunk32", ""),
                                                        distill_recipe.DistillConfig(teacher_checkpoint=teacher_dir))
   config = config_lib.TrainConfig(model_dir="", data_dir="", train_steps=100, batch_size=args.batch_size,
                                   seq_len=args.seq_len, mesh_shape=mesh_shape, recipe_config=recipe,
-                                  loss_chunk=32 if run_kind == "distill_chunk32" else 0,
+                                  loss_chunk=32 if run_kind.endswith("_chunk32") else 0,
                                   checkpoint=checkpointing.CheckpointConfig(warm_start_from=base_dir))
   exp = experiment_lib.Experiment(config, student, optimizer_lib.OptimizerConfig(learning_rate=1e-4))
   for spec in exp.frozen_specs:  # a reference, a teacher
@@ -116,15 +117,18 @@ def run(name: str, run_kind: str, student, teacher_dir: str, base_dir: str, args
   out = {"run": run_kind, "params": report["memory/params_bytes_per_device"],
          "opt_state": report["memory/opt_state_bytes_per_device"],
          "frozen": report.get("memory/frozen_reference_bytes_per_device",
-                              report.get("memory/frozen_teacher_bytes_per_device", 0)), "ms": float("nan")}
+                              report.get("memory/frozen_teacher_bytes_per_device", 0)), "ms": float("nan"),
+         "temp": float("nan")}
   if not args.steps:
     return out
   rng = np.random.RandomState(0)
-  make = pair_batch if run_kind in ("dpo", "reward") else lm_batch
+  make = pair_batch if run_kind.startswith(("dpo", "reward")) else lm_batch
   batch = exp.global_batch(make(rng, args.batch_size, args.seq_len, args.vocab_size))
   state, step = exp.init_state(), exp.jit_train_step()
   with exp.context():
-    state, metrics = step(state, batch, exp.frozen)  # compiles
+    step = step.lower(state, batch, exp.frozen).compile()
+    out["temp"] = step.memory_analysis().temp_size_in_bytes
+    state, metrics = step(state, batch, exp.frozen)
     jax.block_until_ready(metrics)
     start = time.perf_counter()
     for _ in range(args.steps):
@@ -143,8 +147,8 @@ def main() -> None:
         f"{args.seq_len}, vocab {args.vocab_size}, teacher {args.teacher} "
         f"({model_lib.count_params(teacher):,} parameters), float32 parameters, "
         f"{teacher.dtype} activations; {args.steps} timed steps after one compiling step")
-  print(f"{'model':10s} {'run':16s} {'ms/step':>9s} {'vs SFT':>7s} {'params MiB/dev':>15s} {'opt MiB/dev':>12s} "
-        f"{'frozen MiB/dev':>15s}")
+  print(f"{'model':10s} {'run':16s} {'ms/step':>9s} {'vs SFT':>7s} {'XLA temp MiB':>13s} {'params MiB/dev':>15s} "
+        f"{'opt MiB/dev':>12s} {'frozen MiB/dev':>15s}")
   with tempfile.TemporaryDirectory() as root:
     teacher_dir = random_checkpoint(os.path.join(root, "teacher"), teacher)
     for name in args.models.split(","):
@@ -154,7 +158,8 @@ def main() -> None:
       for run_kind in RUNS:
         r = run(name, run_kind, student, teacher_dir, base_dir, args, mesh_shape)
         sft_ms = r["ms"] if run_kind == "sft" else sft_ms
-        print(f"{name:10s} {run_kind:16s} {r['ms']:>9.1f} {r['ms'] / sft_ms:>6.2f}x {mib(r['params']):>15s} "
+        print(f"{name:10s} {run_kind:16s} {r['ms']:>9.1f} {r['ms'] / sft_ms:>6.2f}x {mib(r['temp']):>13s} "
+              f"{mib(r['params']):>15s} "
               f"{mib(r['opt_state']):>12s} {mib(r['frozen']):>15s}", flush=True)
 
 

@@ -74,6 +74,17 @@ def test_bad_nested_value_is_refused_naming_the_key():
     _build()
 
 
+@pytest.mark.parametrize("chunk", [48, 32, 256])  # 32 divides 128; 256: one chunk longer than the sequence (off)
+def test_a_loss_chunk_that_does_not_divide_seq_len_is_refused(chunk):
+  gin_utils.parse_gin(BASE, ["MODEL_DIR='/tmp/m'", "DATA_DIR='/tmp/d'", "SEQ_LEN=128",
+                             f"trainer.TrainConfig.loss_chunk = {chunk}"])
+  if chunk == 48:
+    with pytest.raises(ValueError, match=r"TrainConfig.loss_chunk=48 must be 0 \(off\) or divide SEQ_LEN=128"):
+      _build()
+  else:
+    assert _build()[0].loss_chunk == chunk
+
+
 def test_unknown_macro_binding_is_refused():
   with pytest.raises(ValueError, match="NO_SUCH_THING"):
     gin_utils.parse_gin(BASE, ["NO_SUCH_THING=1"])

@@ -310,6 +310,42 @@ def dpo_train(initial, reference_params, mesh_shape, *, num_microbatches=1, devi
   return np.array(history), jax.tree.map(np.asarray, state.params)
 
 
+@pytest.mark.parametrize("loss_type", ["sigmoid", "simpo"])
+def test_chunked_log_probs_give_the_losses_metrics_and_gradients_of_the_full_logits(loss_type):
+  """TrainConfig.loss_chunk under DPO (and SimPO): the policy's and the reference's log-probs projected four
+  positions at a time (logprobs.chunked_pair_sums) give the same loss, metrics and gradients as the full
+  (B, L, V) logits, on rows of two pairs with padding."""
+  model = model_lib.GPT(SMALL)
+  params = jax.tree.map(lambda x: x.value, model.init(jax.random.key(0), jnp.zeros((1, layouts.SEQ), jnp.int32)),
+                        is_leaf=lambda x: hasattr(x, "value"))["params"]
+  rng = np.random.RandomState(1)
+  frozen = {preference.REFERENCE: jax.tree.map(lambda x: x + rng.normal(0.0, 0.02, x.shape).astype(x.dtype), params)}
+  batch = synthetic_pair_batch()
+
+  def loss_and_grads(**chunking):
+    objective = preference.Preference(model.apply, loss_type=loss_type, beta=0.5, max_pairs=2, **chunking)
+    fn = lambda p: (lambda out: (out[0], out[2]))(objective.loss(p, batch, frozen))
+    return jax.jit(jax.value_and_grad(fn, has_aux=True))(params)
+
+  (full, full_metrics), full_grads = loss_and_grads()
+  chunked_objective = dict(logits_fn=model_lib.logits_projection(SMALL), loss_chunk=layouts.SEQ // 4)
+  (loss, metrics), grads = loss_and_grads(**chunked_objective)
+  np.testing.assert_allclose(loss, full, rtol=1e-6)
+  for key, value in full_metrics.items():
+    np.testing.assert_allclose(metrics[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+  scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(full_grads))
+  jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, atol=1e-5 * scale), grads, full_grads)
+  assert scale > 0
+
+  def full_logits_in(**chunking):  # a (B, L, V) value in the loss's program, outside the chunks' scan body
+    objective = preference.Preference(model.apply, loss_type=loss_type, beta=0.5, max_pairs=2, **chunking)
+    jaxpr = jax.make_jaxpr(lambda p: objective.loss(p, batch, frozen)[0])(params)
+    shape = (layouts.BATCH, layouts.SEQ, SMALL.vocab_size)
+    return any(tuple(v.aval.shape) == shape for e in jaxpr.eqns for v in e.outvars)
+
+  assert full_logits_in() and not full_logits_in(**chunked_objective)
+
+
 @pytest.fixture(scope="module")
 def dpo_initial():
   initial = layouts.host_initial_state(base=SMALL)

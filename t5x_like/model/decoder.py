@@ -5,6 +5,7 @@ encoding, key/value heads, biases and output head (see GPTConfig)."""
 
 import dataclasses
 import functools
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -108,6 +109,11 @@ class GPT(nn.Module):
                              unroll=self.config.layer_unroll)
     by_layer = lambda c: c.reshape((-1,) + c.shape[2:]) if n > 1 else c
     return x, {"k": by_layer(k), "v": by_layer(v), "segment_ids": seg}
+
+
+def logits_projection(config: GPTConfig) -> Callable:
+  """(params, hidden) → project_logits(params, hidden, config): the projection the chunked losses take."""
+  return functools.partial(project_logits, config=config)
 
 
 def project_logits(params, hidden: jax.Array, config: GPTConfig) -> jax.Array:

@@ -17,7 +17,7 @@ logps/accuracy (the policy alone gives the chosen response the higher log-probab
 """
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +30,16 @@ LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 REFERENCE_FREE = ("simpo",)
 
 
-def sequence_logps(apply_fn: Callable, params, batch, max_pairs: int):
-  """(Σ log π over chosen responses, over rejected ones), each (B, max_pairs)."""
+def sequence_logps(apply_fn: Callable, params, batch, max_pairs: int, logits_fn: Optional[Callable] = None,
+                   loss_chunk: int = 0):
+  """(Σ log π over chosen responses, over rejected ones), each (B, max_pairs). With `loss_chunk` (and the
+  model's `logits_fn`), the hidden states are projected to logits one chunk of positions at a time (never the
+  full (B, L, V) logits; logprobs.chunked_pair_sums)."""
+  if loss_chunk and logits_fn is not None and batch["inputs"].shape[1] > loss_chunk:
+    hidden = apply_fn({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"],
+                      return_hidden=True)
+    return logprobs.chunked_pair_sums(logits_fn, language_model.head_params(params), hidden, batch, max_pairs,
+                                      loss_chunk)
   weighted = logprobs.model_token_logps(apply_fn, params, batch) * batch["weights"].astype(jnp.float32)
   return logprobs.pair_sums(weighted, batch["segment_ids"], max_pairs)
 
@@ -65,12 +73,17 @@ class Preference:
     gamma: SimPO's target reward margin γ (unused by the others).
     max_pairs: the most pairs a row holds (the DATA_DIR manifest's max_pairs_per_row); pairs beyond it
       would be ignored.
+    logits_fn: (params, hidden) → logits (decoder.project_logits), for `loss_chunk`.
+    loss_chunk: > 0: the policy's and the reference's log-probs over chunks of this many positions
+      (TrainConfig.loss_chunk; never the full (B, L, V) logits).
   """
   apply_fn: Callable
   loss_type: str = "sigmoid"
   beta: float = 0.1
   gamma: float = 0.5
   max_pairs: int = 1
+  logits_fn: Optional[Callable] = None
+  loss_chunk: int = 0
   features: tuple = language_model.FEATURES
 
   def __post_init__(self):
@@ -86,15 +99,15 @@ class Preference:
     return self.loss_type not in REFERENCE_FREE
 
   def loss(self, params, batch, frozen):
-    policy = sequence_logps(self.apply_fn, params, batch, self.max_pairs)
+    logps = lambda p: sequence_logps(self.apply_fn, p, batch, self.max_pairs, self.logits_fn, self.loss_chunk)
+    policy = logps(params)
     lengths = logprobs.pair_sums(batch["weights"], batch["segment_ids"], self.max_pairs)
     reference = None
     if self.needs_reference:
       if REFERENCE not in frozen:
         raise ValueError(f"the {self.loss_type} preference loss needs the frozen model '{REFERENCE}' "
                          "(REFERENCE_CHECKPOINT_PATH)")
-      reference = jax.tree.map(jax.lax.stop_gradient,
-                               sequence_logps(self.apply_fn, frozen[REFERENCE], batch, self.max_pairs))
+      reference = jax.tree.map(jax.lax.stop_gradient, logps(frozen[REFERENCE]))
     losses, rc, rr = pair_losses(self.loss_type, self.beta, self.gamma, policy, reference, lengths)
     valid = ((lengths[0] > 0) & (lengths[1] > 0)).astype(jnp.float32)  # a pair present in this row slot
     total = lambda x: jnp.sum(x * valid)

@@ -29,12 +29,11 @@ class DistillConfig(base.Recipe):
     if run.manifest is not None and run.manifest.get("format") == "preference":
       raise ValueError(f"DATA_DIR '{run.config.data_dir}' holds preference pairs: distillation would learn the "
                        "rejected answers too; distil on text or chat data")
-    cfg = run.model_config
     teacher_config, _ = self.teacher(run)
     teacher = model_lib.GPT(teacher_config)
     objective = distill.Distill(
-        run.model.apply, lambda params, hidden: model_lib.project_logits(params, hidden, cfg),
-        teacher.apply, lambda params, hidden: model_lib.project_logits(params, hidden, teacher_config),
+        run.model.apply, model_lib.logits_projection(run.model_config),
+        teacher.apply, model_lib.logits_projection(teacher_config),
         alpha=self.alpha, temperature=self.temperature, loss_chunk=run.config.loss_chunk)
     return objective
 

@@ -7,6 +7,7 @@ Gin: configs/runs/dpo.gin.
 
 import dataclasses
 
+from t5x_like.model import decoder
 from t5x_like.posttrain import preference
 from t5x_like.recipes import base
 
@@ -23,7 +24,8 @@ class DpoConfig(base.ReferenceConfig):
   def make_objective(self, run, *, loss_scaled: bool):
     max_pairs = base.check_pairs(run, loss_scaled, NAME)
     return preference.Preference(run.model.apply, loss_type=self.loss_type, beta=self.beta, gamma=self.gamma,
-                                 max_pairs=max_pairs)
+                                 max_pairs=max_pairs, logits_fn=decoder.logits_projection(run.model_config),
+                                 loss_chunk=run.config.loss_chunk)
 
 
 CONFIG = DpoConfig

@@ -55,9 +55,8 @@ class LanguageModelConfig(Recipe):
     if run.manifest is not None and run.manifest.get("format") == "preference":
       raise ValueError(f"DATA_DIR '{run.config.data_dir}' holds preference pairs: language modelling would learn the "
                        "rejected answers too; train it with configs/runs/dpo.gin (TrainConfig.recipe='dpo')")
-    cfg = run.model_config
     return language_model.LanguageModel(apply_fn=run.model.apply, loss_chunk=run.config.loss_chunk,
-                                        logits_fn=lambda params, hidden: decoder.project_logits(params, hidden, cfg))
+                                        logits_fn=decoder.logits_projection(run.model_config))
 
 
 # Named TrainConfig.trainable values (any other value is a regex over parameter paths).
@@ -112,6 +111,10 @@ class TrainConfig:
     for key in ("eval_every", "checkpoint_every"):
       if getattr(self, key) < 0:
         raise ValueError(f"TrainConfig.{key} must be >= 0, got {getattr(self, key)}")
+    if self.loss_chunk < 0 or (self.loss_chunk and self.loss_chunk < self.seq_len
+                               and self.seq_len % self.loss_chunk):
+      raise ValueError(f"TrainConfig.loss_chunk={self.loss_chunk} must be 0 (off) or divide SEQ_LEN={self.seq_len} "
+                       "(the chunked loss cuts each sequence into equal chunks)")
     if self.use_lora and self.offload_optimizer:
       raise ValueError("TrainConfig.offload_optimizer with LoRA (LoraConfig.rank > 0): the adapters' optimizer "
                        "state is tiny; turn offloading off")

@@ -8,6 +8,7 @@ reward, GRPO, distillation) read them from here, so each formula is written once
   pair_slots         a preference row's layout: pair k is segment 2k + 1 (prompt + chosen) and 2k + 2 (rejected)
   pair_sums          Σ of per-position values over each pair's chosen and rejected segment
   chunked_sums       Σ of a loss over sequence chunks (never the full (B, L, V) logits)
+  chunked_pair_sums  pair_sums of weighted target log-probs, projected to logits one chunk at a time
 """
 
 from typing import Callable
@@ -88,3 +89,30 @@ def chunked_sums(fn: Callable, chunk: int, *arrays: jax.Array) -> tuple:
     return tuple(c + s for c, s in zip(carry, fn(*chunk_xs))), None
 
   return jax.lax.scan(body, init, xs)[0]
+
+
+def chunked_pair_sums(logits_fn: Callable, head: dict, hidden: jax.Array, batch: dict, max_pairs: int,
+                      chunk: int):
+  """pair_sums of weight · log softmax(logits_fn(head, hidden))[target], one sequence chunk at a time.
+
+  Only one chunk's (B, chunk, V) logits are live: the forward pass accumulates each chunk's per-slot sums, and
+  under differentiation each chunk's logits are recomputed from its hidden states in the backward pass
+  (jax.checkpoint) instead of being stored for every chunk.
+
+  Args:
+    logits_fn: (head, hidden (B, c, D)) → (B, c, V) logits (decoder.project_logits).
+    head: the parameters logits_fn reads; gradients flow to it and to `hidden`.
+    hidden: (B, L, D) final hidden states; L % chunk == 0.
+    batch: its targets, weights and segment_ids (B, L).
+  Returns:
+    (chosen, rejected), each (B, max_pairs) float32, as pair_sums.
+  """
+
+  @jax.checkpoint
+  def per_slot(h, targets, weights, segment_ids):
+    values = token_logps(logits_fn(head, h), targets) * weights
+    return (jnp.einsum("bl,bls->bs", values, pair_slots(segment_ids, max_pairs)),)
+
+  (sums,) = chunked_sums(per_slot, chunk, hidden, batch["targets"], batch["weights"].astype(jnp.float32),
+                         batch["segment_ids"])
+  return chosen_rejected(sums)
