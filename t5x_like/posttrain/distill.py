@@ -80,6 +80,7 @@ class Distill:
     alpha: α, the KL's share of the loss (1 = pure distillation, 0 = plain cross-entropy).
     temperature: T > 0, applied to both models' logits in the KL term.
     loss_chunk: > 0: the chunked loss over this many positions at a time (never the full (B, L, V) logits).
+    moe: the student has experts: its auxiliary losses are added, token-weighted like the cross-entropy.
   """
   apply_fn: Callable
   logits_fn: Callable
@@ -88,6 +89,7 @@ class Distill:
   alpha: float = 0.5
   temperature: float = 2.0
   loss_chunk: int = 0
+  moe: bool = False
   features: tuple = language_model.FEATURES
 
   def __post_init__(self):
@@ -101,18 +103,21 @@ class Distill:
       raise ValueError(f"distillation needs the frozen model '{TEACHER}' (TEACHER_CHECKPOINT_PATH)")
     teacher = jax.lax.stop_gradient(frozen[TEACHER])
     args = (batch["inputs"], batch["positions"], batch["segment_ids"])
+    student = lambda **kw: (self.apply_fn({"params": params}, *args, mutable=["intermediates"], **kw) if self.moe
+                            else (self.apply_fn({"params": params}, *args, **kw), {}))
     if self.loss_chunk and batch["inputs"].shape[1] > self.loss_chunk:
-      hidden = self.apply_fn({"params": params}, *args, return_hidden=True)
+      hidden, state = student(return_hidden=True)
       teacher_hidden = self.teacher_apply_fn({"params": teacher}, *args, return_hidden=True)
       kl, ce, weight_sum = chunked_kl_ce_sums(
           lambda h: self.logits_fn(params, h), lambda h: self.teacher_logits_fn(teacher, h), hidden,
           teacher_hidden, batch["targets"], batch["weights"], self.loss_chunk, self.temperature)
     else:
-      logits = self.apply_fn({"params": params}, *args)
+      logits, state = student()
       teacher_logits = self.teacher_apply_fn({"params": teacher}, *args)
       kl, ce, weight_sum = kl_ce_sums(logits, teacher_logits, batch["targets"], batch["weights"], self.temperature)
     loss = self.alpha * self.temperature ** 2 * kl + (1.0 - self.alpha) * ce
-    return loss, weight_sum, {"kl": kl, "cross_entropy": ce}
+    aux, moe_metrics = language_model.moe_terms(state, batch["weights"], weight_sum)
+    return loss + aux, weight_sum, {"kl": kl, "cross_entropy": ce, **moe_metrics}
 
 
 def _literal(text: str, macros: dict, where: str):

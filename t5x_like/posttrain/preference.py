@@ -31,17 +31,32 @@ REFERENCE_FREE = ("simpo",)
 
 
 def sequence_logps(apply_fn: Callable, params, batch, max_pairs: int, logits_fn: Optional[Callable] = None,
-                   loss_chunk: int = 0):
+                   loss_chunk: int = 0, moe: bool = False):
   """(Σ log π over chosen responses, over rejected ones), each (B, max_pairs). With `loss_chunk` (and the
   model's `logits_fn`), the hidden states are projected to logits one chunk of positions at a time (never the
-  full (B, L, V) logits; logprobs.chunked_pair_sums)."""
-  if loss_chunk and logits_fn is not None and batch["inputs"].shape[1] > loss_chunk:
-    hidden = apply_fn({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"],
-                      return_hidden=True)
-    return logprobs.chunked_pair_sums(logits_fn, language_model.head_params(params), hidden, batch, max_pairs,
+  full (B, L, V) logits; logprobs.chunked_pair_sums). With `moe`, ((chosen, rejected), the forward pass's
+  state with the MoE statistics it sowed) instead."""
+  args = (batch["inputs"], batch["positions"], batch["segment_ids"])
+  kwargs = {"mutable": ["intermediates"]} if moe else {}
+  chunked = loss_chunk and logits_fn is not None and batch["inputs"].shape[1] > loss_chunk
+  out = apply_fn({"params": params}, *args, return_hidden=True, **kwargs) if chunked else (
+      apply_fn({"params": params}, *args, **kwargs))
+  out, state = out if moe else (out, {})
+  if chunked:
+    sums = logprobs.chunked_pair_sums(logits_fn, language_model.head_params(params), out, batch, max_pairs,
                                       loss_chunk)
-  weighted = logprobs.model_token_logps(apply_fn, params, batch) * batch["weights"].astype(jnp.float32)
-  return logprobs.pair_sums(weighted, batch["segment_ids"], max_pairs)
+  else:
+    weighted = logprobs.token_logps(out, batch["targets"]) * batch["weights"].astype(jnp.float32)
+    sums = logprobs.pair_sums(weighted, batch["segment_ids"], max_pairs)
+  return (sums, state) if moe else sums
+
+
+def moe_pair_terms(state: dict, batch, pairs: jax.Array):
+  """(auxiliary loss, metrics) of an MoE policy's forward pass for an objective normalised per pair: the
+  load-balancing and router z-losses averaged over every non-padding token of the rows (prompts included: the
+  router saw them), times the number of pairs. (0, {}) for a dense model."""
+  tokens = (batch["segment_ids"] > 0).astype(jnp.float32)
+  return language_model.moe_terms(state, tokens, jnp.sum(tokens), units=pairs)
 
 
 def pair_losses(loss_type: str, beta: float, gamma: float, policy, reference, lengths):
@@ -76,6 +91,8 @@ class Preference:
     logits_fn: (params, hidden) → logits (decoder.project_logits), for `loss_chunk`.
     loss_chunk: > 0: the policy's and the reference's log-probs over chunks of this many positions
       (TrainConfig.loss_chunk; never the full (B, L, V) logits).
+    moe: the model has experts: the policy's auxiliary (load-balancing, router z) losses are added, as
+      per-token means (moe_pair_terms), with their moe/ metrics.
   """
   apply_fn: Callable
   loss_type: str = "sigmoid"
@@ -84,6 +101,7 @@ class Preference:
   max_pairs: int = 1
   logits_fn: Optional[Callable] = None
   loss_chunk: int = 0
+  moe: bool = False
   features: tuple = language_model.FEATURES
 
   def __post_init__(self):
@@ -99,8 +117,9 @@ class Preference:
     return self.loss_type not in REFERENCE_FREE
 
   def loss(self, params, batch, frozen):
-    logps = lambda p: sequence_logps(self.apply_fn, p, batch, self.max_pairs, self.logits_fn, self.loss_chunk)
-    policy = logps(params)
+    logps = lambda p, moe=False: sequence_logps(self.apply_fn, p, batch, self.max_pairs, self.logits_fn,
+                                                self.loss_chunk, moe)
+    policy, state = logps(params, moe=True) if self.moe else (logps(params), {})
     lengths = logprobs.pair_sums(batch["weights"], batch["segment_ids"], self.max_pairs)
     reference = None
     if self.needs_reference:
@@ -117,4 +136,5 @@ class Preference:
         "logps/chosen": total(policy[0]), "logps/rejected": total(policy[1]),
         "logps/accuracy": total(logprobs.above(policy[0], policy[1])),
     }
-    return total(losses), jnp.sum(valid), metrics
+    aux, moe_metrics = moe_pair_terms(state, batch, jnp.sum(valid))
+    return total(losses) + aux, jnp.sum(valid), {**metrics, **moe_metrics}

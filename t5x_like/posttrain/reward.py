@@ -20,6 +20,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from t5x_like.posttrain import preference
 from t5x_like.training import logprobs
 
 FEATURES = ("inputs", "segment_ids", "positions", "weights")
@@ -61,10 +62,12 @@ class Reward:
       (B, L, D) final hidden states.
     score_fn: (params, hidden) → (B, L) float32 scores (model/heads.py project_scores).
     max_pairs: the most pairs a row holds (the DATA_DIR manifest's max_pairs_per_row).
+    moe: the model has experts: their auxiliary losses are added as per-token means (preference.moe_pair_terms).
   """
   apply_fn: Callable
   score_fn: Callable
   max_pairs: int = 1
+  moe: bool = False
   features: tuple = FEATURES
 
   def __post_init__(self):
@@ -73,16 +76,23 @@ class Reward:
 
   def scores(self, params, batch) -> jax.Array:
     """The score head at every position, (B, L) float32."""
-    hidden = self.apply_fn({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"],
-                           return_hidden=True)
-    return self.score_fn(params, hidden)
+    return self._scores_and_state(params, batch)[0]
+
+  def _scores_and_state(self, params, batch):
+    args = (batch["inputs"], batch["positions"], batch["segment_ids"])
+    if self.moe:  # the MoE statistics the forward pass sows
+      hidden, state = self.apply_fn({"params": params}, *args, return_hidden=True, mutable=["intermediates"])
+    else:
+      hidden, state = self.apply_fn({"params": params}, *args, return_hidden=True), {}
+    return self.score_fn(params, hidden), state
 
   def loss(self, params, batch, frozen=None):
     del frozen  # a reward model reads no frozen model
-    chosen, rejected, valid = segment_rewards(self.scores(params, batch), batch["weights"], batch["segment_ids"],
-                                              self.max_pairs)
+    scores, state = self._scores_and_state(params, batch)
+    chosen, rejected, valid = segment_rewards(scores, batch["weights"], batch["segment_ids"], self.max_pairs)
     total = lambda x: jnp.sum(x * valid)
     metrics = {"rewards/chosen": total(chosen), "rewards/rejected": total(rejected),
                "rewards/margin": total(chosen - rejected),
                "rewards/accuracy": total(logprobs.above(chosen, rejected))}
-    return total(bradley_terry(chosen, rejected)), jnp.sum(valid), metrics
+    aux, moe_metrics = preference.moe_pair_terms(state, batch, jnp.sum(valid))
+    return total(bradley_terry(chosen, rejected)) + aux, jnp.sum(valid), {**metrics, **moe_metrics}

@@ -34,7 +34,8 @@ class DistillConfig(base.Recipe):
     objective = distill.Distill(
         run.model.apply, model_lib.logits_projection(run.model_config),
         teacher.apply, model_lib.logits_projection(teacher_config),
-        alpha=self.alpha, temperature=self.temperature, loss_chunk=run.config.loss_chunk)
+        alpha=self.alpha, temperature=self.temperature, loss_chunk=run.config.loss_chunk,
+        moe=run.model_config.num_experts > 0)
     return objective
 
   def frozen_models(self, run) -> tuple:

@@ -25,7 +25,7 @@ class DpoConfig(base.ReferenceConfig):
     max_pairs = base.check_pairs(run, loss_scaled, NAME)
     return preference.Preference(run.model.apply, loss_type=self.loss_type, beta=self.beta, gamma=self.gamma,
                                  max_pairs=max_pairs, logits_fn=decoder.logits_projection(run.model_config),
-                                 loss_chunk=run.config.loss_chunk)
+                                 loss_chunk=run.config.loss_chunk, moe=run.model_config.num_experts > 0)
 
 
 CONFIG = DpoConfig

@@ -26,7 +26,7 @@ class RewardConfig(base.Recipe):
                        "selective fine-tuning")
     cfg = run.model_config
     return reward.Reward(run.model.apply, lambda params, hidden: heads.project_scores(params, hidden, cfg),
-                         max_pairs=max_pairs)
+                         max_pairs=max_pairs, moe=cfg.num_experts > 0)
 
 
 CONFIG = RewardConfig

@@ -114,11 +114,28 @@ class LanguageModel:
     else:
       logits, state = self.apply_fn({"params": params}, *args, mutable=["intermediates"])
       loss_sum, weight_sum = cross_entropy_sums(logits, batch["targets"], batch["weights"])
-    stats = model_lib.moe_stats(state)
-    if stats is None:
+    aux_sum, metrics = moe_terms(state, batch["weights"], weight_sum)
+    if not metrics:
       return loss_sum, weight_sum, {}
-    aux_sum, metrics = moe_sums(stats, batch["weights"], weight_sum)
     return loss_sum + aux_sum, weight_sum, {"cross_entropy": loss_sum, **metrics}
+
+
+def moe_terms(state: dict, weights: jax.Array, weight_sum: jax.Array, units: Optional[jax.Array] = None):
+  """(auxiliary loss, metrics) of the MoE statistics a forward pass sowed in `state` (apply(...,
+  mutable=["intermediates"])), as sums the step divides by the objective's Σ weight; (0, {}) for a dense model.
+
+  Token-weighted objectives (units None): weight_sum = Σ weights, the terms as moe_sums gives them. Objectives
+  normalised per pair or example (DPO, the reward model: units = their Σ weight) get the token-weighted means
+  over `weights` times `units`, so that after the step's division they are the same per-token means.
+  """
+  stats = model_lib.moe_stats(state)
+  if stats is None:
+    return jnp.zeros((), jnp.float32), {}
+  aux_sum, metrics = moe_sums(stats, weights, weight_sum)
+  if units is None:
+    return aux_sum, metrics
+  scale = units / jnp.maximum(weight_sum, 1.0)
+  return aux_sum * scale, {k: v * scale for k, v in metrics.items()}
 
 
 def moe_sums(stats: moe.MoeStats, weights: jax.Array, weight_sum: jax.Array):
