@@ -39,6 +39,7 @@ def main(argv):
     for key, value in report.items():
       print(f"{key} {value:,}" if isinstance(value, int) else f"{key} {value:.4g}")
     print("configuration OK")
+    distributed.finish()  # every process leaves together (a no-op for one process)
     return
   try:
     result = trainer.train(config,
