@@ -103,8 +103,7 @@ class Distill:
       raise ValueError(f"distillation needs the frozen model '{TEACHER}' (TEACHER_CHECKPOINT_PATH)")
     teacher = jax.lax.stop_gradient(frozen[TEACHER])
     args = (batch["inputs"], batch["positions"], batch["segment_ids"])
-    student = lambda **kw: (self.apply_fn({"params": params}, *args, mutable=["intermediates"], **kw) if self.moe
-                            else (self.apply_fn({"params": params}, *args, **kw), {}))
+    student = lambda **kw: language_model.forward(self.apply_fn, params, batch, moe=self.moe, **kw)
     if self.loss_chunk and batch["inputs"].shape[1] > self.loss_chunk:
       hidden, state = student(return_hidden=True)
       teacher_hidden = self.teacher_apply_fn({"params": teacher}, *args, return_hidden=True)

@@ -88,9 +88,9 @@ class Kto:
   def loss(self, params, batch, frozen):
     if REFERENCE not in frozen:
       raise ValueError(f"the KTO loss needs the frozen model '{REFERENCE}' (REFERENCE_CHECKPOINT_PATH)")
-    policy = preference.sequence_logps(self.apply_fn, params, batch, self.max_pairs)  # (B, P) each
+    policy = preference.sequence_logps(self.apply_fn, params, batch, self.max_pairs)[0]  # (B, P) each
     reference = jax.tree.map(jax.lax.stop_gradient,
-                             preference.sequence_logps(self.apply_fn, frozen[REFERENCE], batch, self.max_pairs))
+                             preference.sequence_logps(self.apply_fn, frozen[REFERENCE], batch, self.max_pairs)[0])
     lengths = logprobs.pair_sums(batch["weights"], batch["segment_ids"], self.max_pairs)
     valid = ((lengths[0] > 0) & (lengths[1] > 0)).astype(jnp.float32)  # a pair present in this row slot
     log_ratios = (policy[0] - reference[0], policy[1] - reference[1])

@@ -82,7 +82,7 @@ class Orpo:
 
   def loss(self, params, batch, frozen):
     del frozen
-    sums = preference.sequence_logps(self.apply_fn, params, batch, self.max_pairs)  # (B, P) each
+    sums = preference.sequence_logps(self.apply_fn, params, batch, self.max_pairs)[0]  # (B, P) each
     lengths = logprobs.pair_sums(batch["weights"], batch["segment_ids"], self.max_pairs)
     valid = ((lengths[0] > 0) & (lengths[1] > 0)).astype(jnp.float32)  # a pair present in this row slot
     # logp̄ per response; an empty slot gets −1 (any finite value: it is masked out below, and must not be 0)

@@ -32,23 +32,17 @@ REFERENCE_FREE = ("simpo",)
 
 def sequence_logps(apply_fn: Callable, params, batch, max_pairs: int, logits_fn: Optional[Callable] = None,
                    loss_chunk: int = 0, moe: bool = False):
-  """(Σ log π over chosen responses, over rejected ones), each (B, max_pairs). With `loss_chunk` (and the
-  model's `logits_fn`), the hidden states are projected to logits one chunk of positions at a time (never the
-  full (B, L, V) logits; logprobs.chunked_pair_sums). With `moe`, ((chosen, rejected), the forward pass's
-  state with the MoE statistics it sowed) instead."""
-  args = (batch["inputs"], batch["positions"], batch["segment_ids"])
-  kwargs = {"mutable": ["intermediates"]} if moe else {}
-  chunked = loss_chunk and logits_fn is not None and batch["inputs"].shape[1] > loss_chunk
-  out = apply_fn({"params": params}, *args, return_hidden=True, **kwargs) if chunked else (
-      apply_fn({"params": params}, *args, **kwargs))
-  out, state = out if moe else (out, {})
-  if chunked:
-    sums = logprobs.chunked_pair_sums(logits_fn, language_model.head_params(params), out, batch, max_pairs,
-                                      loss_chunk)
-  else:
-    weighted = logprobs.token_logps(out, batch["targets"]) * batch["weights"].astype(jnp.float32)
-    sums = logprobs.pair_sums(weighted, batch["segment_ids"], max_pairs)
-  return (sums, state) if moe else sums
+  """((Σ log π over chosen responses, over rejected ones), each (B, max_pairs); the forward pass's state, which
+  holds the MoE statistics it sowed with `moe`, else {}). With `loss_chunk` (and the model's `logits_fn`), the
+  hidden states are projected to logits one chunk of positions at a time (never the full (B, L, V) logits;
+  logprobs.chunked_pair_sums)."""
+  if loss_chunk and logits_fn is not None and batch["inputs"].shape[1] > loss_chunk:
+    hidden, state = language_model.forward(apply_fn, params, batch, moe=moe, return_hidden=True)
+    return logprobs.chunked_pair_sums(logits_fn, language_model.head_params(params), hidden, batch, max_pairs,
+                                      loss_chunk), state
+  logits, state = language_model.forward(apply_fn, params, batch, moe=moe)
+  weighted = logprobs.token_logps(logits, batch["targets"]) * batch["weights"].astype(jnp.float32)
+  return logprobs.pair_sums(weighted, batch["segment_ids"], max_pairs), state
 
 
 def moe_pair_terms(state: dict, batch, pairs: jax.Array):
@@ -117,16 +111,16 @@ class Preference:
     return self.loss_type not in REFERENCE_FREE
 
   def loss(self, params, batch, frozen):
-    logps = lambda p, moe=False: sequence_logps(self.apply_fn, p, batch, self.max_pairs, self.logits_fn,
-                                                self.loss_chunk, moe)
-    policy, state = logps(params, moe=True) if self.moe else (logps(params), {})
+    logps = lambda p, moe: sequence_logps(self.apply_fn, p, batch, self.max_pairs, self.logits_fn, self.loss_chunk,
+                                          moe)
+    policy, state = logps(params, self.moe)
     lengths = logprobs.pair_sums(batch["weights"], batch["segment_ids"], self.max_pairs)
     reference = None
     if self.needs_reference:
       if REFERENCE not in frozen:
         raise ValueError(f"the {self.loss_type} preference loss needs the frozen model '{REFERENCE}' "
                          "(REFERENCE_CHECKPOINT_PATH)")
-      reference = jax.tree.map(jax.lax.stop_gradient, logps(frozen[REFERENCE]))
+      reference = jax.tree.map(jax.lax.stop_gradient, logps(frozen[REFERENCE], False)[0])
     losses, rc, rr = pair_losses(self.loss_type, self.beta, self.gamma, policy, reference, lengths)
     valid = ((lengths[0] > 0) & (lengths[1] > 0)).astype(jnp.float32)  # a pair present in this row slot
     total = lambda x: jnp.sum(x * valid)

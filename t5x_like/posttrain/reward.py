@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from t5x_like.posttrain import preference
 from t5x_like.training import logprobs
+from t5x_like.training.objectives import language_model
 
 FEATURES = ("inputs", "segment_ids", "positions", "weights")
 
@@ -79,11 +80,7 @@ class Reward:
     return self._scores_and_state(params, batch)[0]
 
   def _scores_and_state(self, params, batch):
-    args = (batch["inputs"], batch["positions"], batch["segment_ids"])
-    if self.moe:  # the MoE statistics the forward pass sows
-      hidden, state = self.apply_fn({"params": params}, *args, return_hidden=True, mutable=["intermediates"])
-    else:
-      hidden, state = self.apply_fn({"params": params}, *args, return_hidden=True), {}
+    hidden, state = language_model.forward(self.apply_fn, params, batch, moe=self.moe, return_hidden=True)
     return self.score_fn(params, hidden), state
 
   def loss(self, params, batch, frozen=None):

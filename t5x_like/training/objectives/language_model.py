@@ -105,19 +105,27 @@ class LanguageModel:
 
   def loss(self, params, batch, frozen=None):
     del frozen  # language modelling uses no frozen model
-    args = (batch["inputs"], batch["positions"], batch["segment_ids"])
-    # "intermediates" mutable: an MoE model sows its routing statistics there (a dense model sows nothing)
+    # moe=True: an MoE model sows its routing statistics in the state (a dense model sows nothing)
     if self.loss_chunk and self.logits_fn is not None and batch["inputs"].shape[1] > self.loss_chunk:
-      hidden, state = self.apply_fn({"params": params}, *args, return_hidden=True, mutable=["intermediates"])
+      hidden, state = forward(self.apply_fn, params, batch, moe=True, return_hidden=True)
       loss_sum, weight_sum = chunked_cross_entropy_sums(self.logits_fn, head_params(params), hidden,
                                                         batch["targets"], batch["weights"], self.loss_chunk)
     else:
-      logits, state = self.apply_fn({"params": params}, *args, mutable=["intermediates"])
+      logits, state = forward(self.apply_fn, params, batch, moe=True)
       loss_sum, weight_sum = cross_entropy_sums(logits, batch["targets"], batch["weights"])
     aux_sum, metrics = moe_terms(state, batch["weights"], weight_sum)
     if not metrics:
       return loss_sum, weight_sum, {}
     return loss_sum + aux_sum, weight_sum, {"cross_entropy": loss_sum, **metrics}
+
+
+def forward(apply_fn: Callable, params, batch, *, moe: bool = False, **kwargs):
+  """(apply_fn's output on the batch's inputs, state): with `moe`, the pass runs with mutable intermediates and the
+  state holds the MoE statistics it sowed (moe_terms reads them); else the state is {}."""
+  args = (batch["inputs"], batch["positions"], batch["segment_ids"])
+  if moe:
+    return apply_fn({"params": params}, *args, mutable=["intermediates"], **kwargs)
+  return apply_fn({"params": params}, *args, **kwargs), {}
 
 
 def moe_terms(state: dict, weights: jax.Array, weight_sum: jax.Array, units: Optional[jax.Array] = None):
