@@ -9,7 +9,8 @@ after one compiling step, on synthetic batches: SFT (token-weighted cross-entrop
 reference on rows of pairs; plain and with loss_chunk = 32), reward (Bradley–Terry on the score head) and
 distillation from a frozen `--teacher` (plain and with loss_chunk = 32). Prints milliseconds per step, XLA's
 temporary bytes of the compiled step (memory_analysis: activations, logits and their gradients), and the start-up
-report's parameter, optimizer-state and frozen-model bytes per device (memory/frozen_reference_bytes_per_device, memory/frozen_teacher_bytes_per_device).
+report's parameter, optimizer-state and frozen-model bytes per device (memory/frozen_reference_bytes_per_device,
+memory/frozen_teacher_bytes_per_device).
 `--devices 8 --mesh fsdp=8 --steps 0` reports the bytes of an FSDP layout without timing.
 """
 
