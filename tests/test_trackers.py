@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import time
 
 import pytest
 
@@ -74,6 +75,8 @@ def wandb_records(model_dir) -> list:
         pos += WANDB_BLOCK - pos % WANDB_BLOCK
         continue
       length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+      if pos + 7 + length > len(data):  # a record still being written
+        break
       chunk, pos = chunk + data[pos + 7:pos + 7 + length], pos + 7 + length
       if kind in (1, 4):
         records.append(wandb_pb2.Record.FromString(chunk))
@@ -81,10 +84,25 @@ def wandb_records(model_dir) -> list:
   return records
 
 
+def wandb_finished_records(model_dir, timeout: float = 60.0) -> list:
+  """wandb_records once every offline run under MODEL_DIR ends in its `exit` record: W&B's service process
+  writes the file, and under load (wandb 0.31, two busy cores) it can still be writing after `run.finish()`
+  returns. Fails, naming the folder, if a run has not ended within `timeout` seconds."""
+  deadline = time.time() + timeout
+  while True:
+    records = wandb_records(model_dir)
+    runs = len(glob.glob(os.path.join(model_dir, "wandb", "offline-run-*", "run-*.wandb")))
+    exits = sum(r.WhichOneof("record_type") == "exit" for r in records)
+    if runs and exits >= runs:
+      return records
+    assert time.time() < deadline, f"{model_dir}: {runs} offline W&B run(s), {exits} ended after {timeout} s"
+    time.sleep(0.2)
+
+
 def wandb_history(model_dir) -> tuple:
   """({step: {metric: value}}, the runs' ids, their config) of the offline W&B runs under MODEL_DIR."""
   history, ids, config = {}, set(), {}
-  for record in wandb_records(model_dir):
+  for record in wandb_finished_records(model_dir):
     kind = record.WhichOneof("record_type")
     if kind == "history":
       items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}

@@ -28,7 +28,8 @@ from t5x_like.posttrain import lora as lora_lib
 # The model config field each logical parameter axis comes from (named in shape-mismatch errors).
 AXIS_FIELDS = {ax.VOCAB: "GPTConfig.vocab_size", ax.EMBED: "GPTConfig.d_model", ax.MLP: "GPTConfig.d_ff",
                ax.HEADS: "GPTConfig.num_heads", ax.KV_HEADS: "GPTConfig.num_kv_heads",
-               ax.KV: "GPTConfig.d_model / num_heads (head_dim)", ax.LAYERS: "GPTConfig.num_layers",
+               ax.KV: "GPTConfig.attention_head_dim (head_dim; 0: d_model / num_heads)",
+               ax.LAYERS: "GPTConfig.num_layers",
                ax.POSITION: "GPTConfig.max_len", ax.NORM: "GPTConfig.d_model", ax.EXPERT: "GPTConfig.num_experts"}
 
 
