@@ -139,6 +139,56 @@ def test_sharded_bfloat16_and_float16_inputs_import_exactly(hf_models, imported,
     assert jax.tree.leaves(jax.tree.map(lambda a: a.dtype == np.float32, params)) == [True] * len(jax.tree.leaves(params))
 
 
+class _RunsCode:
+  """A pickled object whose unpickling would call os.system: what a malicious .bin holds."""
+
+  def __init__(self, marker):
+    self.marker = marker
+
+  def __reduce__(self):
+    return (os.system, (f"touch {self.marker}",))
+
+
+def test_pytorch_bin_checkpoints_import_like_safetensors_and_code_in_them_never_runs(hf_models, imported, tmp_path):
+  """pytorch_model.bin (zip, as torch.save writes it) and bin shards with an index (one in the legacy pickle
+  format) import to the same parameters as the safetensors folder; a .bin that pickles code, or holds a number
+  where a tensor goes, is a one-line refusal, and the code is never run."""
+  model, folder = hf_models["llama_gqa"]
+  _, _, want = imported["llama_gqa"]
+  state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+  keys = sorted(state)
+
+  def bin_folder(name, shards):
+    out = str(tmp_path / name)
+    shutil.copytree(folder, out, ignore=shutil.ignore_patterns("*.safetensors*"))
+    for file_name, part, legacy in shards:
+      torch.save(part, os.path.join(out, file_name), _use_new_zipfile_serialization=not legacy)
+    return out
+
+  single = bin_folder("single", [("pytorch_model.bin", state, False)])
+  halves = [keys[:len(keys) // 2], keys[len(keys) // 2:]]
+  sharded = bin_folder("sharded", [(f"pytorch_model-0000{i + 1}-of-00002.bin", {k: state[k] for k in half}, i == 1)
+                                   for i, half in enumerate(halves)])
+  with open(os.path.join(sharded, "pytorch_model.bin.index.json"), "w", encoding="utf-8") as f:
+    json.dump({"weight_map": {k: f"pytorch_model-0000{i + 1}-of-00002.bin" for i, half in enumerate(halves)
+                              for k in half}}, f)
+  for source in (single, sharded):
+    hf.import_hf(source, source + ".converted")
+    _, params = checkpointing.restore_params(source + ".converted")
+    jax.tree.map(np.testing.assert_array_equal, params, want)
+
+  marker = tmp_path / "code_ran"
+  for name, payload, message in (("code", {"w": _RunsCode(str(marker))}, "refused: not a PyTorch file of tensors"),
+                                 ("number", {"model.embed_tokens.weight": 3}, "entry 'model.embed_tokens.weight' "
+                                                                              "holds a int, not a tensor")):
+    bad = bin_folder(name, [("pytorch_model.bin", payload, False)])
+    with pytest.raises(ValueError, match=message) as error:
+      hf.import_hf(bad, bad + ".converted")
+    assert "\n" not in str(error.value) and os.path.join(bad, "pytorch_model.bin") in str(error.value)
+    assert not os.path.exists(bad + ".converted")
+  assert not marker.exists()  # the pickled os.system call was refused before it was made
+
+
 def test_imported_checkpoint_restores_onto_a_sharded_mesh(imported):
   """What a warm start does: restore onto abstract params carrying a (data, tensor) mesh's shardings."""
   model_dir, config, params = imported["llama_gqa"]

@@ -48,8 +48,9 @@ def import_hf(hf_dir: str, output_dir: str) -> decoder.GPTConfig:
   """Converts a Hugging Face GPT-2 / Llama / Mixtral / Qwen2 / Qwen3 / Mistral folder into a new MODEL_DIR.
 
   Args:
-    hf_dir: a folder with config.json and model.safetensors (or shards + model.safetensors.index.json),
-      float32 / bfloat16 / float16; tokenizer files are copied along when present.
+    hf_dir: a folder with config.json and model.safetensors (or shards + model.safetensors.index.json, or
+      PyTorch's pytorch_model.bin / its shards, loaded weights_only), float32 / bfloat16 / float16; tokenizer
+      files are copied along when present.
     output_dir: the MODEL_DIR to create; it must not exist or be empty.
 
   Returns:

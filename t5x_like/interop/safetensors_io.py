@@ -1,4 +1,7 @@
-"""Safetensors in and out of a Hugging Face folder, one tensor at a time (numpy; bfloat16 via ml_dtypes)."""
+"""Safetensors in and out of a Hugging Face folder, one tensor at a time (numpy; bfloat16 via ml_dtypes).
+
+Reading also takes PyTorch's `pytorch_model.bin` (or its shards), loaded with `torch.load(weights_only=True)`:
+tensors and plain containers only, so a pickle that names any other object is refused, never executed."""
 
 import contextlib
 import json
@@ -11,6 +14,8 @@ from safetensors.numpy import save_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+BIN_FILE = "pytorch_model.bin"
+BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 READABLE_DTYPES = ("F64", "F32", "F16", "BF16")  # the safetensors dtype codes we convert to float32
 
 
@@ -25,19 +30,25 @@ class Reader(contextlib.AbstractContextManager):
 
   def __init__(self, hf_dir: str):
     self.hf_dir = hf_dir
-    index_path, single_path = os.path.join(hf_dir, INDEX_FILE), os.path.join(hf_dir, SINGLE_FILE)
-    if os.path.isfile(index_path):
-      with open(index_path, encoding="utf-8") as f:
-        weight_map = json.load(f).get("weight_map")
-      if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"{index_path}: no 'weight_map' of tensor name → shard file")
-      files = sorted(set(weight_map.values()))
-    elif os.path.isfile(single_path):
-      files = [SINGLE_FILE]
-    else:
+    files, index_path, opener = None, None, None
+    for index_name, single_name, open_file in ((INDEX_FILE, SINGLE_FILE, self._open_safetensors),
+                                               (BIN_INDEX_FILE, BIN_FILE, _open_bin)):
+      index_path, single_path = os.path.join(hf_dir, index_name), os.path.join(hf_dir, single_name)
+      if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+          weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+          raise ValueError(f"{index_path}: no 'weight_map' of tensor name → shard file")
+        files, opener = sorted(set(weight_map.values())), open_file
+        break
+      if os.path.isfile(single_path):
+        files, opener = [single_name], open_file
+        break
+    if files is None:
       others = sorted(n for n in os.listdir(hf_dir) if n.endswith((".bin", ".pt", ".pth", ".h5", ".msgpack")))
       hint = f" (found {', '.join(others)}: save it with safetensors first)" if others else ""
-      raise FileNotFoundError(f"{hf_dir}: no weights: neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
+      raise FileNotFoundError(f"{hf_dir}: no weights: none of {SINGLE_FILE}, {INDEX_FILE}, {BIN_FILE}, "
+                              f"{BIN_INDEX_FILE}{hint}")
     self._stack = contextlib.ExitStack()
     self._where = {}
     try:
@@ -45,12 +56,15 @@ class Reader(contextlib.AbstractContextManager):
         path = os.path.join(hf_dir, name)
         if not os.path.isfile(path):
           raise FileNotFoundError(f"{index_path}: lists the shard {name}, which does not exist")
-        handle = self._stack.enter_context(safe_open(path, framework="np"))
+        handle = opener(path)
         for key in handle.keys():
           self._where[key] = (handle, path)
     except BaseException:
       self._stack.close()
       raise
+
+  def _open_safetensors(self, path: str):
+    return _SafetensorsFile(self._stack.enter_context(safe_open(path, framework="np")))
 
   def __exit__(self, *exc):
     self._stack.close()
@@ -62,17 +76,88 @@ class Reader(contextlib.AbstractContextManager):
     return key in self._where
 
   def shape(self, key: str) -> tuple:
-    """The stored shape, read from the file header (no tensor bytes are loaded)."""
-    return tuple(self._where[key][0].get_slice(key).get_shape())
+    """The stored shape (for safetensors read from the file header: no tensor bytes are loaded)."""
+    return self._where[key][0].shape(key)
 
   def read(self, key: str) -> np.ndarray:
     """One tensor as float32 (exact for float16 / bfloat16 inputs)."""
     handle, path = self._where[key]
-    dtype = handle.get_slice(key).get_dtype()
+    dtype = handle.dtype(key)
     if dtype not in READABLE_DTYPES:
       raise ValueError(f"{path}: tensor {key!r} has dtype {dtype}; only {', '.join(READABLE_DTYPES)} "
                        f"checkpoints convert (no quantized weights)")
-    return handle.get_tensor(key).astype(np.float32)
+    return handle.tensor(key)
+
+
+class _SafetensorsFile:
+  """One open safetensors file: names, shapes and dtypes from its header, a tensor loaded on `tensor`."""
+
+  def __init__(self, handle):
+    self._handle = handle
+
+  def keys(self) -> list:
+    return list(self._handle.keys())
+
+  def shape(self, key: str) -> tuple:
+    return tuple(self._handle.get_slice(key).get_shape())
+
+  def dtype(self, key: str) -> str:
+    return self._handle.get_slice(key).get_dtype()
+
+  def tensor(self, key: str) -> np.ndarray:
+    return self._handle.get_tensor(key).astype(np.float32)
+
+
+class _BinFile:
+  """One PyTorch pickle (`pytorch_model.bin`): a flat {name: tensor} dict, as `torch.save(state_dict)` writes."""
+
+  def __init__(self, path: str, tensors: dict):
+    self._path, self._tensors = path, tensors
+
+  def keys(self) -> list:
+    return list(self._tensors)
+
+  def shape(self, key: str) -> tuple:
+    return tuple(self._tensors[key].shape)
+
+  def dtype(self, key: str) -> str:
+    return _TORCH_DTYPE_CODES.get(str(self._tensors[key].dtype), str(self._tensors[key].dtype))
+
+  def tensor(self, key: str) -> np.ndarray:
+    return self._tensors[key].float().numpy()  # bfloat16 / float16 → float32 is exact; numpy has no bfloat16
+
+
+# torch dtype → the safetensors code READABLE_DTYPES names
+_TORCH_DTYPE_CODES = {"torch.float64": "F64", "torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16"}
+
+
+def _open_bin(path: str) -> _BinFile:
+  """Loads a PyTorch pickle with `weights_only=True`: torch's restricted unpickler admits tensors, dicts, lists
+  and numbers and refuses any other global (a class, a function such as os.system) before calling it. The file
+  must hold {name: tensor}; anything else is refused, naming the file and the key."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top  (only .bin checkpoints need it)
+  except ImportError:
+    raise ValueError(f"{path}: reading PyTorch .bin checkpoints needs torch (pip install 't5x_like[hf]'), or save "
+                     f"the model with safetensors") from None
+  try:
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=_is_zip(path))
+  except Exception as e:  # pickle.UnpicklingError for a refused global; RuntimeError for a damaged archive
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise ValueError(f"{path}: refused: not a PyTorch file of tensors that loads with weights_only=True "
+                     f"({reason}); nothing in it was run") from None
+  if not isinstance(state, dict) or not state:
+    raise ValueError(f"{path}: holds a {type(state).__name__}, not a {{name: tensor}} state dict")
+  for key, value in state.items():
+    if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+      raise ValueError(f"{path}: entry {key!r} holds a {type(value).__name__}, not a tensor")
+  return _BinFile(path, state)
+
+
+def _is_zip(path: str) -> bool:
+  """torch.save's format since 1.6 (a zip archive; memory-mappable) rather than the legacy pickle stream."""
+  with open(path, "rb") as f:
+    return f.read(4) == b"PK\x03\x04"
 
 
 def write(output_dir: str, tensors: Iterable, num_bytes: Callable[[str], int],
