@@ -21,7 +21,8 @@ READABLE_DTYPES = ("F64", "F32", "F16", "BF16")  # the safetensors dtype codes w
 
 class Reader(contextlib.AbstractContextManager):
   """The tensors of a Hugging Face folder: `model.safetensors`, or the shards `model.safetensors.index.json`
-  lists. Files are memory-mapped; `read` loads one tensor.
+  lists, else `pytorch_model.bin` or its shards (loaded weights_only). Safetensors files and zip-format .bin
+  files are memory-mapped; `read` converts one tensor.
 
   Example:
     with Reader("llama-3-8b") as r:
@@ -30,25 +31,7 @@ class Reader(contextlib.AbstractContextManager):
 
   def __init__(self, hf_dir: str):
     self.hf_dir = hf_dir
-    files, index_path, opener = None, None, None
-    for index_name, single_name, open_file in ((INDEX_FILE, SINGLE_FILE, self._open_safetensors),
-                                               (BIN_INDEX_FILE, BIN_FILE, _open_bin)):
-      index_path, single_path = os.path.join(hf_dir, index_name), os.path.join(hf_dir, single_name)
-      if os.path.isfile(index_path):
-        with open(index_path, encoding="utf-8") as f:
-          weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-          raise ValueError(f"{index_path}: no 'weight_map' of tensor name → shard file")
-        files, opener = sorted(set(weight_map.values())), open_file
-        break
-      if os.path.isfile(single_path):
-        files, opener = [single_name], open_file
-        break
-    if files is None:
-      others = sorted(n for n in os.listdir(hf_dir) if n.endswith((".bin", ".pt", ".pth", ".h5", ".msgpack")))
-      hint = f" (found {', '.join(others)}: save it with safetensors first)" if others else ""
-      raise FileNotFoundError(f"{hf_dir}: no weights: none of {SINGLE_FILE}, {INDEX_FILE}, {BIN_FILE}, "
-                              f"{BIN_INDEX_FILE}{hint}")
+    files, index_path, opener = _weight_files(hf_dir, self._open_safetensors)
     self._stack = contextlib.ExitStack()
     self._where = {}
     try:
@@ -89,6 +72,27 @@ class Reader(contextlib.AbstractContextManager):
     return handle.tensor(key)
 
 
+def _weight_files(hf_dir: str, open_safetensors: Callable) -> tuple:
+  """(file names, the index's path, the function that opens one file) of the folder's weights: safetensors
+  first, then PyTorch's .bin; each as an index listing shards, else a single file."""
+  for index_name, single_name, opener in ((INDEX_FILE, SINGLE_FILE, open_safetensors),
+                                          (BIN_INDEX_FILE, BIN_FILE, _open_bin)):
+    index_path = os.path.join(hf_dir, index_name)
+    if os.path.isfile(index_path):
+      with open(index_path, encoding="utf-8") as f:
+        weight_map = json.load(f).get("weight_map")
+      if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index_path}: no 'weight_map' of tensor name → shard file")
+      return sorted(set(weight_map.values())), index_path, opener
+    if os.path.isfile(os.path.join(hf_dir, single_name)):
+      return [single_name], index_path, opener
+  others = sorted(n for n in os.listdir(hf_dir) if n.endswith((".bin", ".pt", ".pth", ".h5", ".msgpack")))
+  hint = (f" (found {', '.join(others)}: name a PyTorch state dict {BIN_FILE}, or save the model with safetensors)"
+          if others else "")
+  raise FileNotFoundError(f"{hf_dir}: no weights: none of {SINGLE_FILE}, {INDEX_FILE}, {BIN_FILE}, "
+                          f"{BIN_INDEX_FILE}{hint}")
+
+
 class _SafetensorsFile:
   """One open safetensors file: names, shapes and dtypes from its header, a tensor loaded on `tensor`."""
 
@@ -111,8 +115,8 @@ class _SafetensorsFile:
 class _BinFile:
   """One PyTorch pickle (`pytorch_model.bin`): a flat {name: tensor} dict, as `torch.save(state_dict)` writes."""
 
-  def __init__(self, path: str, tensors: dict):
-    self._path, self._tensors = path, tensors
+  def __init__(self, tensors: dict):
+    self._tensors = tensors
 
   def keys(self) -> list:
     return list(self._tensors)
@@ -121,7 +125,8 @@ class _BinFile:
     return tuple(self._tensors[key].shape)
 
   def dtype(self, key: str) -> str:
-    return _TORCH_DTYPE_CODES.get(str(self._tensors[key].dtype), str(self._tensors[key].dtype))
+    name = str(self._tensors[key].dtype)
+    return _TORCH_DTYPE_CODES.get(name, name)
 
   def tensor(self, key: str) -> np.ndarray:
     return self._tensors[key].float().numpy()  # bfloat16 / float16 → float32 is exact; numpy has no bfloat16
@@ -151,7 +156,7 @@ def _open_bin(path: str) -> _BinFile:
   for key, value in state.items():
     if not isinstance(key, str) or not isinstance(value, torch.Tensor):
       raise ValueError(f"{path}: entry {key!r} holds a {type(value).__name__}, not a tensor")
-  return _BinFile(path, state)
+  return _BinFile(state)
 
 
 def _is_zip(path: str) -> bool:
