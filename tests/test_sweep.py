@@ -1,8 +1,10 @@
-"""Sweeps: grid validation before any launch; a 2×2 sweep killed -9 mid-way and relaunched gives the same table."""
+"""Sweeps: grid validation before any launch; a 2×2 sweep killed -9 in its last run and relaunched gives the same
+table."""
 
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -146,10 +148,11 @@ def _launches(model_dir) -> list:
   return [r["step"] for r in plots.read_records(model_dir) if "params/total" in r]
 
 
-@pytest.mark.slow  # trains 4 tiny runs, then the same sweep again with a kill -9 in its second run
+@pytest.mark.slow  # trains 4 tiny runs, then the last of them again through the CLI with a kill -9
 def test_sweep_killed_mid_way_and_relaunched_gives_the_same_table(corpus, tmp_path, monkeypatch):
-  """The uninterrupted sweep also logs every run to MLflow and W&B (tests/test_trackers.check_sweep_trackers); the
-  same sweep through the CLI, killed -9 mid-way and relaunched, writes the same table."""
+  """The uninterrupted sweep also logs every run to MLflow and W&B (tests/test_trackers.check_sweep_trackers). The
+  same sweep through the CLI, as a kill -9 in its last run leaves it (its folder with the first three runs finished,
+  copied from the uninterrupted one), killed -9 in that run and relaunched, writes the same table."""
   from tests import test_trackers  # pylint: disable=g-import-not-at-top  # (it needs mlflow and wandb)
   reference, store = str(tmp_path / "reference"), "file:" + str(tmp_path / "store")
   monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a file URI given by the user: their opt-in
@@ -171,27 +174,34 @@ def test_sweep_killed_mid_way_and_relaunched_gives_the_same_table(corpus, tmp_pa
   assert open(report["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
   assert "| name-adamw__learning_rate-0.003 | adamw | 0.003 | finished |" in open(report["markdown"]).read()
 
-  # The same sweep from the CLI, killed -9 (with its training child) once its second run has logged step 8
-  # (checkpointed at 4), then relaunched.
+  # The same sweep from the CLI on a copy of the finished sweep without its last run and report: the CLI skips the
+  # three finished runs, trains the last and is killed -9 (with its training child) once that run has logged
+  # step 8 (checkpointed at 4); the relaunch skips them again and resumes the last run from its checkpoint.
   interrupted = str(tmp_path / "interrupted")
+  last = os.path.join(interrupted, rows[3]["run"])
+  shutil.copytree(reference, interrupted, ignore=lambda folder, names: [
+      n for n in names if folder == reference and (n == rows[3]["run"] or n.startswith("results.")
+                                                   or n.endswith(".png"))])
+  assert _table_missing(interrupted) and not os.path.exists(last)
   command = [sys.executable, "-m", "t5x_like.sweep", *[f"--gin_file={f}" for f in FILES],
-             *[f"--gin_bindings={b}" for b in bindings(corpus)], *[f"--grid={g}" for g in GRID],
+             *[f"--gin_bindings={b}" for b in tracked], *[f"--grid={g}" for g in GRID],
              f"--output_dir={interrupted}"]
-  second = os.path.join(interrupted, rows[1]["run"])
+  cli_env = dict(env(), MLFLOW_ALLOW_FILE_STORE="true", WANDB_MODE="offline")
   with open(str(tmp_path / "sweep.log"), "ab") as log:
-    proc = subprocess.Popen(command, cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(command, cwd=REPO, env=cli_env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 600
-    while proc.poll() is None and not any(s >= 8 for s in _logged_steps(second)):
+    while proc.poll() is None and not any(s >= 8 for s in _logged_steps(last)):
       assert time.time() < deadline, "the sweep made no progress"
       time.sleep(0.05)
     assert proc.poll() is None, open(str(tmp_path / "sweep.log")).read()[-2000:]
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL
     assert _table_missing(interrupted)
-    assert subprocess.run(command, cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT,
+    assert subprocess.run(command, cwd=REPO, env=cli_env, stdout=log, stderr=subprocess.STDOUT,
                           timeout=900).returncode == 0
-  assert _launches(os.path.join(interrupted, rows[0]["run"])) == [0]  # finished: not relaunched
-  assert _launches(second)[0] == 0 and _launches(second)[1] in (4, 8)  # resumed from its checkpoint
+  for row in rows[:3]:
+    assert _launches(os.path.join(interrupted, row["run"])) == [0]  # finished: not relaunched
+  assert _launches(last)[0] == 0 and _launches(last)[1] in (4, 8)  # resumed from its checkpoint
   again = _table(interrupted)
   for ref, row in zip(rows, again):
     assert row["run"] == ref["run"] and row["status"] == "finished"
