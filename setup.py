@@ -15,8 +15,8 @@ setuptools.setup(
     package_data={"t5x_like.configs": ["**/*.gin", "tasks/*.yaml", "tasks/*.jsonl"], "t5x_like.inference": ["static/*.html"]},
     python_requires=">=3.11",
     # Lower bounds verified together on Python 3.11 (CPU): jax 0.10.2, flax 0.12.8, optax 0.2.8,
-    # orbax-checkpoint 0.12.8, tensorflow-cpu 2.21.0, clu 0.0.12, sentencepiece 0.2.3, etils 1.15.
-    # Exactly what t5x_like/ imports (tensorboard comes with tensorflow).
+    # orbax-checkpoint 0.12.8, tensorflow-cpu 2.21.0, sentencepiece 0.2.3, etils 1.15.
+    # Exactly what t5x_like/ imports, and tensorboard, which tf.summary writes through.
     install_requires=[
         "jax>=0.10.2",
         "flax>=0.12.8",
@@ -25,8 +25,7 @@ setuptools.setup(
         "tensorflow-cpu>=2.21.0",
         "sentencepiece>=0.2.0",
         "tokenizers>=0.20",  # HF tokenizer.json (preprocess / infer / evaluate --tokenizer, save_hf)
-        "clu>=0.0.12",
-        "tensorboard>=2.21.0",  # clu's TensorBoard summary writer imports it; tensorflow-cpu does not bring it
+        "tensorboard>=2.21.0",  # tf.summary (the event files) comes from it; tensorflow-cpu does not bring it
         "gin-config>=0.5.0",
         "absl-py>=2.1.0",
         "numpy>=2.0",

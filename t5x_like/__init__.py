@@ -1,6 +1,9 @@
 """t5x_like: a TFRecord-centric GPT trainer on JAX."""
 
+import importlib.abc
+import importlib.machinery
 import os
+import sys
 
 __version__ = "0.1.0"
 
@@ -10,3 +13,34 @@ __version__ = "0.1.0"
 # changes nothing tf.data computes. Set here, before any module imports tensorflow; a value the user set is kept.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+
+class _TensorFlowWithoutKeras(importlib.abc.MetaPathFinder):
+  """The first `import tensorflow` after this package's runs TF's __init__ with Keras hidden. That __init__
+  imports Keras (and scikit-learn through it, where installed) eagerly, but inside `try: ... except
+  ImportError`; nothing here uses Keras, and it was about 2 s of every command's start-up. Keras is visible
+  again once TF is imported: `import keras` and `tf.keras` (which TF loads lazily) still work afterwards."""
+
+  def find_spec(self, name, path=None, target=None):
+    if name != "tensorflow":
+      return None
+    sys.meta_path.remove(self)  # the first import only
+    spec = importlib.machinery.PathFinder.find_spec(name, path)
+    if spec is None or spec.loader is None or "keras" in sys.modules:
+      return spec
+    run_init = spec.loader.exec_module
+
+    def exec_module(module):
+      sys.modules["keras"] = None  # `import keras` raises ImportError; importlib.util.find_spec('keras') is None
+      try:
+        run_init(module)
+      finally:
+        if "keras" in sys.modules and sys.modules["keras"] is None:
+          del sys.modules["keras"]
+
+    spec.loader.exec_module = exec_module
+    return spec
+
+
+if "tensorflow" not in sys.modules:
+  sys.meta_path.insert(0, _TensorFlowWithoutKeras())

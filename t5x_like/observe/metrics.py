@@ -1,4 +1,4 @@
-"""Metric sinks (clu writers + MODEL_DIR/metrics.jsonl) and the log-interval meter that turns per-step
+"""Metric sinks (the log, TensorBoard event files, MODEL_DIR/metrics.jsonl) and the log-interval meter that turns per-step
 device metrics into loss, throughput, MFU, time split, memory and queue-depth scalars."""
 
 import contextlib
@@ -9,7 +9,7 @@ import resource
 import time
 from typing import Mapping, Optional
 
-from clu import metric_writers
+from absl import logging
 import jax
 import numpy as np
 import tensorflow as tf
@@ -19,31 +19,40 @@ from t5x_like.data import input_pipeline
 
 
 class MetricsLogger:
-  """Writes scalars to TensorBoard, the log and metrics.jsonl (process 0 only writes files).
+  """Writes scalars to the log, TensorBoard and metrics.jsonl (process 0 only writes files).
 
-  metrics.jsonl holds one JSON object per call: {"step": N, "loss": 3.1415926..., ...}, floats at full
-  precision (Python's shortest round-trip repr of the float32/float64 value).
+  The log line is "[step] key=value, ..." (sorted keys, floats to 6 significant digits). TensorBoard's event
+  files in MODEL_DIR come from tf.summary itself: clu's writer, used before, imports TensorBoard's hparams
+  plugin and through it Keras, about a second of every command's start-up. metrics.jsonl holds one JSON object
+  per call: {"step": N, "loss": 3.1415926..., ...}, floats at full precision (Python's shortest round-trip repr
+  of the float32/float64 value).
   """
 
   def __init__(self, model_dir: str, is_primary: Optional[bool] = None):
     self.is_primary = jax.process_index() == 0 if is_primary is None else is_primary
     self._path = os.path.join(model_dir, "metrics.jsonl")
-    self._writer = metric_writers.create_default_writer(model_dir, just_logging=not self.is_primary,
-                                                        asynchronous=False)
+    self._summary = tf.summary.create_file_writer(model_dir) if self.is_primary else None
 
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
     clean = {key: _to_python(value) for key, value in scalars.items()}
-    self._writer.write_scalars(step, {k: float(v) if isinstance(v, str) else v for k, v in clean.items()
-                                      if isinstance(v, (int, float)) or v in ("nan", "inf", "-inf")})
+    numbers = {k: float(v) if isinstance(v, str) else v for k, v in clean.items()
+               if isinstance(v, (int, float)) or v in ("nan", "inf", "-inf")}
+    logging.info("[%d] %s", step, ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                                            for k, v in sorted(numbers.items())))
     if self.is_primary:
+      with self._summary.as_default():
+        for key, value in numbers.items():
+          tf.summary.scalar(key, value, step=step)
       with tf.io.gfile.GFile(self._path, "a") as f:
         f.write(json.dumps({"step": int(step), **clean}) + "\n")
 
   def flush(self) -> None:
-    self._writer.flush()
+    if self._summary is not None:
+      self._summary.flush()
 
   def close(self) -> None:
-    self._writer.close()
+    if self._summary is not None:
+      self._summary.close()
 
 
 def _to_python(value):
