@@ -54,9 +54,9 @@ def make_run(root: str) -> dict:
   return {"model_dir": model_dir, "data_dir": data_dir, "tokenizer": tok.path}
 
 
-def env() -> dict:
-  return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-              TF_CPP_MIN_LOG_LEVEL="3")
+def env(xla_flags: str = "--xla_force_host_platform_device_count=1") -> dict:
+  """A launch's environment: one CPU device (`xla_flags`: its XLA_FLAGS; the tests add XLA:CPU's fast compile)."""
+  return dict(os.environ, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
 
 
 def run_args(run: dict) -> list:
@@ -65,14 +65,25 @@ def run_args(run: dict) -> list:
 
 class ServerProcess:
   """`python -m t5x_like.serve` on a free loopback port; `url` once it listens. `run`: make_run's folders
-  (None: `flags` name the model)."""
+  (None: `flags` name the model); `environ`: the process's environment (default env()); `wait=False` returns at
+  once, and wait() waits for it to listen (so that several launches start together)."""
 
-  def __init__(self, run: dict | None, *flags, timeout_seconds: float = 300):
+  def __init__(self, run: dict | None, *flags, timeout_seconds: float = 300, environ: dict | None = None,
+               wait: bool = True):
     self.proc = subprocess.Popen([sys.executable, "-m", "t5x_like.serve", *(run_args(run) if run else []), "--port=0",
                                   *flags],
-                                 cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + timeout_seconds
-    self.banner = ""
+                                 cwd=REPO, env=environ or env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+    self.timeout_seconds = timeout_seconds
+    self.banner = self.url = ""
+    if wait:
+      self.wait()
+
+  def wait(self) -> "ServerProcess":
+    """Returns once the server listens (at once after the first call)."""
+    if self.url:
+      return self
+    deadline = time.monotonic() + self.timeout_seconds
     while time.monotonic() < deadline:
       line = self.proc.stdout.readline()
       if not line:
@@ -80,7 +91,7 @@ class ServerProcess:
       found = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
       if found:
         self.banner, self.url = line.strip(), found.group(1)
-        return
+        return self
     self.stop()
     raise RuntimeError("serve did not start in time")
 
@@ -98,6 +109,24 @@ class ServerProcess:
     if self.proc.poll() is None:
       self.proc.kill()
       self.proc.communicate()
+
+
+class Launch:
+  """`python -m <module> <args>` started now in the repository; result() waits for it. Tests start independent
+  launches together so that their start-ups (imports, compiles) overlap."""
+
+  def __init__(self, module: str, *args, environ: dict | None = None):
+    self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=environ or env(),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+  def result(self, timeout_seconds: float = 300) -> subprocess.CompletedProcess:
+    out, err = self.proc.communicate(timeout=timeout_seconds)
+    return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
+
+  def stop(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.kill()
+    self.proc.communicate()
 
 
 def post(url: str, body, raw: bool = False) -> tuple:

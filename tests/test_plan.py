@@ -111,16 +111,18 @@ def test_inter_host_links_slow_the_step():
 
 @pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_cli_reports_and_rejects_bad_input():
+  """A report, and a one-line error for a model without a vocabulary: two launches, started together."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  ok = subprocess.run([sys.executable, "-m", "t5x_like.plan", "--gin_file=configs/models/gpt_tiny.gin",
-                       "--vocab_size=4096", "--hardware=v5e", "--num_devices=4", "--global_batch=32",
-                       "--seq_len=256", "--tokens=1e8"], cwd=ROOT, env=env, capture_output=True, text=True)
-  assert ok.returncode == 0, ok.stderr[-2000:]
-  assert "feasible layouts" in ok.stdout and "FLOPs/token" in ok.stdout
-  bad = subprocess.run([sys.executable, "-m", "t5x_like.plan", "--gin_file=configs/models/gpt_tiny.gin",
-                        "--num_devices=4"], cwd=ROOT, env=env, capture_output=True, text=True)
+  launches = [subprocess.Popen([sys.executable, "-m", "t5x_like.plan", "--gin_file=configs/models/gpt_tiny.gin",
+                                *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for args in (["--vocab_size=4096", "--hardware=v5e", "--num_devices=4", "--global_batch=32",
+                            "--seq_len=256", "--tokens=1e8"], ["--num_devices=4"])]
+  (ok_out, ok_err), (_, bad_err) = (p.communicate(timeout=300) for p in launches)
+  ok, bad = launches
+  assert ok.returncode == 0, ok_err[-2000:]
+  assert "feasible layouts" in ok_out and "FLOPs/token" in ok_out
   assert bad.returncode != 0
-  assert bad.stderr.strip().splitlines()[-1].startswith("error: GPTConfig.vocab_size is 0")
+  assert bad_err.strip().splitlines()[-1].startswith("error: GPTConfig.vocab_size is 0")
 
 
 @pytest.mark.slow

@@ -26,9 +26,15 @@ def _noisy_grid(noise=0.003, seed=0):
   return n, d, TRUE.loss(n, d) * np.exp(rng.normal(0.0, noise, n.shape))  # multiplicative noise, 0.3%
 
 
-def test_fit_recovers_known_exponents_within_10_percent():
+@pytest.fixture(scope="module")
+def noisy_fit():
+  """The noisy grid and its fit (deterministic), shared by the fit and bootstrap tests."""
   n, d, loss = _noisy_grid()
-  fit = scaling_law.fit(n, d, loss)
+  return n, d, loss, scaling_law.fit(n, d, loss)
+
+
+def test_fit_recovers_known_exponents_within_10_percent(noisy_fit):
+  n, d, loss, fit = noisy_fit
   assert abs(fit.alpha / TRUE.alpha - 1) < 0.10, fit
   assert abs(fit.beta / TRUE.beta - 1) < 0.10, fit
   assert abs(fit.E / TRUE.E - 1) < 0.10, fit
@@ -36,9 +42,8 @@ def test_fit_recovers_known_exponents_within_10_percent():
   assert fit.objective < 1e-3
 
 
-def test_bootstrap_intervals_cover_the_true_exponents():
-  n, d, loss = _noisy_grid()
-  fit = scaling_law.fit(n, d, loss)
+def test_bootstrap_intervals_cover_the_true_exponents(noisy_fit):
+  n, d, loss, fit = noisy_fit
   boot = scaling_law.bootstrap(n, d, loss, fit, samples=12, seed=1, groups=np.repeat(np.arange(len(SIZES)), 6))
   for name in ("alpha", "beta"):
     low, high, std = boot[name]
@@ -105,15 +110,26 @@ def test_too_few_sizes_and_runs_without_eval_loss_are_one_line_errors_naming_the
     scaling_runs.load_points(["/no/such/run"])
 
 
+def _scaling(*args) -> subprocess.Popen:
+  return subprocess.Popen([sys.executable, "-m", "t5x_like.scaling", *args], cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+  out, err = proc.communicate(timeout=300)
+  return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def test_cli_fit_prints_the_law_and_the_compute_optimum(tmp_path):
-  """Exact losses of the known law at 5 sizes × 4 evaluations: the CLI recovers its exponents and optimum."""
+  """Exact losses of the known law at 5 sizes × 4 evaluations: the CLI recovers its exponents and optimum; `plan`
+  reads the saved fit; too few sizes is a one-line error (that launch runs alongside `fit`)."""
   dirs = _law_runs(tmp_path)
   extra = str(tmp_path / "held")  # a sixth size, left out of the fit and predicted
   fake_run(extra, 60_000_000, [(s, float(TRUE.loss(60_000_000, s * 16 * 128))) for s in (100, 300, 1000, 3000)])
-  out = subprocess.run([sys.executable, "-m", "t5x_like.scaling", "fit", f"--runs={tmp_path}/run*,{extra}",
-                        f"--holdout={extra}", "--flops=1e20", "--bootstrap=4", f"--save={tmp_path}/fit.json",
-                        f"--plot={tmp_path}/fit.png"], cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
+  fitting = _scaling("fit", f"--runs={tmp_path}/run*,{extra}", f"--holdout={extra}", "--flops=1e20", "--bootstrap=4",
+                     f"--save={tmp_path}/fit.json", f"--plot={tmp_path}/fit.png")
+  bad = _result(_scaling("fit", f"--runs={dirs[0]},{dirs[1]}"))
+  out = _result(fitting)
   assert out.returncode == 0, out.stderr[-2000:]
   alpha = float(re.search(r"alpha = (\S+)", out.stdout).group(1))
   beta = float(re.search(r"beta  = (\S+)", out.stdout).group(1))
@@ -125,11 +141,8 @@ def test_cli_fit_prints_the_law_and_the_compute_optimum(tmp_path):
   assert held.group(1) == extra + ":" or held.group(1) == extra, out.stdout
   assert abs(float(held.group(2))) < 1.0, out.stdout  # exact losses of the law: the prediction is within 1%
   assert (tmp_path / "fit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  plan = subprocess.run([sys.executable, "-m", "t5x_like.scaling", "plan", f"--fit={tmp_path}/fit.json",
-                         "--flops=1e20"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  plan = _result(_scaling("plan", f"--fit={tmp_path}/fit.json", "--flops=1e20"))
   assert plan.returncode == 0 and re.search(r"N = ([\d,]+) parameters", plan.stdout).group(1) == f"{n_opt:,.0f}"
-  bad = subprocess.run([sys.executable, "-m", "t5x_like.scaling", "fit", f"--runs={dirs[0]},{dirs[1]}"], cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
   assert bad.returncode == 1 and bad.stderr.startswith("error: a fit needs runs of at least 3 model sizes")
   assert len(bad.stderr.strip().splitlines()) == 1
 

@@ -10,14 +10,13 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 import urllib.request
 
 import openai
 import pytest
 
+from tests import conftest
 from tests import serve_fixtures as sf
 
 from t5x_like.data import chat
@@ -33,15 +32,38 @@ PROMPT = "reverse: self path"
 CHAT = [{"role": "user", "content": "reverse: value of"}]
 
 
+# every launch: one CPU device and XLA:CPU's fast compile (tests/conftest.py); infer and serve compile alike
+ENV = sf.env(conftest.xla_flags(1))
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   return sf.make_run(str(tmp_path_factory.mktemp("serve")))
 
 
 @pytest.fixture(scope="module")
+def launches(run):
+  """The slow tests' launches, started together by the first of them so that their start-ups overlap: the 429
+  test's server (2 slots, 1 waiting request, warm-up on), two infer runs, serve --help and a bad flag."""
+  started = {
+      "queue": sf.ServerProcess(run, "--max_batch=2", "--max_waiting=1", "--shutdown_timeout_seconds=30",
+                                environ=ENV, wait=False),
+      "infer": sf.Launch("t5x_like.infer", *sf.run_args(run), f"--prompt={PROMPT}", "--temperature=0",
+                         "--max_new_tokens=12", environ=ENV),
+      "infer_chat": sf.Launch("t5x_like.infer", *sf.run_args(run), "--chat", f"--prompt={CHAT[0]['content']}",
+                              "--max_new_tokens=10", environ=ENV),
+      "help": sf.Launch("t5x_like.serve", "--help", environ=ENV),
+      "bad_flag": sf.Launch("t5x_like.serve", *sf.run_args(run), "--max_batch=0", environ=ENV),
+  }
+  yield started
+  for proc in started.values():
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
 def server(run):
-  proc = sf.ServerProcess(run, "--max_batch=4", "--nowarmup")  # compiles on first use (the 429 test warms up)
-  yield proc
+  proc = sf.ServerProcess(run, "--max_batch=4", "--nowarmup", environ=ENV)  # compiles on first use (the 429 test's
+  yield proc                                                                 # server warms up)
   proc.stop()
 
 
@@ -199,25 +221,22 @@ def test_prometheus_metrics(server, client):
     assert re.search(rf"^{name} \S+$", text, re.M), name
 
 
-@pytest.mark.slow  # starts two infer processes
-def test_greedy_text_equals_infer(server, client, run):
-  out = subprocess.run([sys.executable, "-m", "t5x_like.infer", *sf.run_args(run), f"--prompt={PROMPT}",
-                        "--temperature=0", "--max_new_tokens=12"], cwd=sf.REPO, env=sf.env(), capture_output=True,
-                       text=True, timeout=300)
+@pytest.mark.slow  # two infer processes
+def test_greedy_text_equals_infer(launches, client):
+  """`infer`'s greedy continuation of PROMPT is the server's, and `infer --chat`'s answer its chat answer."""
+  out = launches["infer"].result()
   assert out.returncode == 0, out.stderr[-2000:]
   text = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
   assert out.stdout == f"# checkpoint step 0\n{PROMPT}{text}\n" and text
-  out = subprocess.run([sys.executable, "-m", "t5x_like.infer", *sf.run_args(run), "--chat",
-                        f"--prompt={CHAT[0]['content']}", "--max_new_tokens=10"], cwd=sf.REPO, env=sf.env(),
-                       capture_output=True, text=True, timeout=300)
+  out = launches["infer_chat"].result()
   assert out.returncode == 0, out.stderr[-2000:]
   answer = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, temperature=0)
   assert json.loads(out.stdout)["messages"][-1]["content"] == answer.choices[0].message.content
 
 
 @pytest.mark.slow  # a server of its own
-def test_full_queue_gets_429_then_sigterm_drains_and_exits_0(run):
-  proc = sf.ServerProcess(run, "--max_batch=2", "--max_waiting=1", "--shutdown_timeout_seconds=30")
+def test_full_queue_gets_429_then_sigterm_drains_and_exits_0(launches):
+  proc = launches["queue"].wait()
   try:
     body = dict(model="tiny", prompt=PROMPT, max_tokens=50, n=2, temperature=1.0, seed=1)
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
@@ -270,11 +289,9 @@ def test_chat_page_in_headless_chromium(server, client, tmp_path):
 
 
 @pytest.mark.slow  # two processes
-def test_help_and_a_bad_flag_is_one_line(run):
-  out = subprocess.run([sys.executable, "-m", "t5x_like.serve", "--help"], cwd=sf.REPO, env=sf.env(),
-                       capture_output=True, text=True, timeout=300)
+def test_help_and_a_bad_flag_is_one_line(launches):
+  out = launches["help"].result()
   assert out.returncode == 0 and "--max_batch" in out.stdout and "/v1/chat/completions" in out.stdout
-  out = subprocess.run([sys.executable, "-m", "t5x_like.serve", *sf.run_args(run), "--max_batch=0"], cwd=sf.REPO,
-                       env=sf.env(), capture_output=True, text=True, timeout=300)
+  out = launches["bad_flag"].result()
   assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == "error: --max_batch must be >= 1, got 0"
   assert "Traceback" not in out.stderr

@@ -32,6 +32,29 @@ def dataset(corpus):
   return corpus
 
 
+@pytest.fixture(scope="module")
+def launches(dataset, tmp_path_factory):
+  """The module's two CLI launches, started by its first test so that their start-ups overlap its training:
+  a missing DATA_DIR, and test_fault_tolerance's TINY launch (its compiled step in the persistent cache) with NaN
+  at steps 2..4."""
+  root = tmp_path_factory.mktemp("launches")
+  started = {"missing": _cli(f"--gin.MODEL_DIR='{root}/r'", f"--gin.DATA_DIR='{root}/nope'"),
+             "nan": subprocess.Popen(test_fault_tolerance.launch_args(f"{root}/nan", dataset) + [
+                 "--gin.fault_tolerance.FaultToleranceConfig.nonfinite_patience=2",
+                 "--gin.fault_tolerance.FaultToleranceConfig.debug_nan_steps=(2, 3, 4)"], cwd=ROOT,
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=test_fault_tolerance.launch_env())}
+  yield {"root": str(root), **started}
+  for proc in started.values():
+    if proc.poll() is None:
+      proc.kill()
+    proc.communicate()
+
+
+def _result(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+  out, err = proc.communicate(timeout=300)
+  return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def run_config(model_dir, data_dir, **overrides):
   base = dict(model_dir=model_dir, data_dir=data_dir, train_steps=80, batch_size=8, seq_len=32, seed=0,
               log_every=10, eval_every=40, checkpoint_every=40, mesh_shape={"data": -1})
@@ -40,8 +63,8 @@ def run_config(model_dir, data_dir, **overrides):
 
 
 @pytest.mark.slow  # end to end: trains, or launches the CLI
-def test_tiny_model_learns_far_below_unigram_baseline_and_a_restart_continues_from_saved_step(dataset, tmp_path,
-                                                                                            monkeypatch):
+def test_tiny_model_learns_far_below_unigram_baseline_and_a_restart_continues_from_saved_step(
+    dataset, tmp_path, monkeypatch, launches):  # pylint: disable=unused-argument  (they start first)
   """80 steps learn far below the unigram baseline; a second launch with TRAIN_STEPS 84 continues the finished run
   from its step-80 checkpoint (steps 81..84), not from step 1. MODEL_DIR is relative, as the demo config's; the
   loss is chunked (loss_chunk=16 of SEQ_LEN=32), so the chunked loss runs through the trainer."""
@@ -84,18 +107,18 @@ def test_missing_data_dir_is_named(tmp_path):
     trainer.train(run_config(str(tmp_path / "r"), str(tmp_path / "nope")), TINY, OPT)
 
 
-def _cli(*args):
-  return subprocess.run([sys.executable, "-m", "t5x_like.train", "--gin_file=configs/models/gpt_tiny.gin",
-                         "--gin_file=configs/runs/pretrain.gin", *args], cwd=ROOT, capture_output=True,
-                        text=True, timeout=300, env={**os.environ, "XLA_FLAGS": conftest.xla_flags(0)})
+def _cli(*args) -> subprocess.Popen:
+  return subprocess.Popen([sys.executable, "-m", "t5x_like.train", "--gin_file=configs/models/gpt_tiny.gin",
+                           "--gin_file=configs/runs/pretrain.gin", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env={**os.environ, "XLA_FLAGS": conftest.xla_flags(0)})
 
 
 @pytest.mark.slow  # end to end: trains, or launches the CLI
-def test_cli_bad_input_exits_with_one_line_reason(tmp_path):
-  missing = _cli(f"--gin.MODEL_DIR='{tmp_path}/r'", f"--gin.DATA_DIR='{tmp_path}/nope'")
+def test_cli_bad_input_exits_with_one_line_reason(launches, tmp_path):
+  missing = _result(launches["missing"])
   assert missing.returncode != 0
   last = missing.stderr.strip().splitlines()[-1]
-  assert last.startswith("error:") and f"{tmp_path}/nope" in last
+  assert last.startswith("error:") and f"{launches['root']}/nope" in last
   # the other parse errors reach the same one-line printer (one launch above shows it) from cli.parse_gin
   files = ["configs/models/gpt_tiny.gin", "configs/runs/pretrain.gin"]
   gin.clear_config()
@@ -110,12 +133,8 @@ def test_cli_bad_input_exits_with_one_line_reason(tmp_path):
 
 
 @pytest.mark.slow
-def test_exit_codes_nonfinite_65_and_unwritable_model_dir_74(dataset, tmp_path):
-  # test_fault_tolerance's TINY launch (its compiled step in the persistent cache), NaN at steps 2..4
-  nan = subprocess.run(test_fault_tolerance.launch_args(f"{tmp_path}/nan", dataset) + [
-      "--gin.fault_tolerance.FaultToleranceConfig.nonfinite_patience=2",
-      "--gin.fault_tolerance.FaultToleranceConfig.debug_nan_steps=(2, 3, 4)"], cwd=ROOT, capture_output=True,
-      text=True, timeout=300, env=test_fault_tolerance.launch_env())
+def test_exit_codes_nonfinite_65_and_unwritable_model_dir_74(launches, dataset, tmp_path):
+  nan = _result(launches["nan"])
   assert nan.returncode == 65, nan.stderr[-2000:]
   assert nan.stderr.strip().splitlines()[-1].startswith("stopped: 2 consecutive non-finite steps ending at step 3")
   locked = tmp_path / "locked"
