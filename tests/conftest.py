@@ -137,3 +137,23 @@ def run_cli_in_process(monkeypatch, run, argv) -> object:
     flags.FLAGS.unparse_flags()
     absl_logging.set_verbosity(verbosity)  # the entry points quiet absl for the CLI
   return exit_info.value.code
+
+
+def launch_each(module: str, runs, env=None, timeout: float = 300) -> list:
+  """`python -m module argv` for each argv of `runs`, one after another in one process (tests/launch_each.py: each
+  through the module's own `__main__`, flags and gin reset between them): a CompletedProcess per run, the last
+  one's return code the process's own."""
+  import json  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run([sys.executable, os.path.join(root, "tests", "launch_each.py"), module, json.dumps(runs)],
+                        cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+  marker = re.compile(r"^=== exit (-?\d+)\n", re.M)
+  out, err = marker.split(done.stdout), marker.split(done.stderr)
+  if len(out) != 2 * len(runs) - 1 or len(err) != len(out):
+    raise AssertionError(f"{module}: {len(runs)} runs expected, the process ended early:\n{done.stderr[-3000:]}")
+  codes = [int(c) for c in out[1::2]] + [done.returncode]
+  return [subprocess.CompletedProcess([module, *argv], code, o, e)
+          for argv, code, o, e in zip(runs, codes, out[0::2], err[0::2])]

@@ -4,8 +4,6 @@ import collections
 import json
 import logging
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -334,23 +332,12 @@ def test_packed_and_unpacked_give_the_same_loss(chat_dir, loss_and_grad):
   np.testing.assert_allclose(loss, total, rtol=2e-6)
 
 
-@pytest.mark.slow  # fast subset: the developer loop; CI runs it
-def test_cli_chat_with_gin_template_and_data_dir_tokenizer(chat_dir, raw, tmp_path):
+# The CLI (a gin-bound template field, --tokenizer=DATA_DIR, malformed lines counted): test_preprocess.py's
+# test_cli_chat_quality_filters_and_bad_input.
+
+
+def test_template_marker_error_through_preprocess_names_the_data_dir_tokenizer(chat_dir, raw, tmp_path):
   out, _ = chat_dir
-  gin = tmp_path / "template.gin"
-  gin.write_text("data.ChatTemplate.default_system = 'answer briefly'\n")
-  bad = tmp_path / "bad.jsonl"
-  bad.write_text('{"prompt": "x"}\n')
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-  run = subprocess.run([sys.executable, "-m", "t5x_like.preprocess", "--format=chat", f"--input={raw[2]}",
-                        f"--input={bad}", f"--output_dir={tmp_path / 'o'}", f"--tokenizer={out}",
-                        f"--gin_file={gin}", "--validation_fraction=0"],
-                       capture_output=True, text=True, env=env, check=False)
-  assert run.returncode == 0, run.stderr
-  assert f"{bad}:1: wrong_shape: missing key 'completion'" in run.stdout
-  assert "malformed_wrong_shape=1" in run.stdout
-  manifest = ip.load_manifest(str(tmp_path / "o"))
-  assert manifest["chat_template"]["default_system"] == "answer briefly"  # MULTI_TURN has its own system turn
   with pytest.raises(ValueError) as e:  # the template's marker error through preprocess, --tokenizer=DATA_DIR
     pp.preprocess([raw[2]], str(tmp_path / "o2"), tokenizer=out, data_format="chat",
                   chat_template=chat.ChatTemplate(end="<|eot|>"), progress=False, cache_dir=None)

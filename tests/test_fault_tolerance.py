@@ -179,11 +179,25 @@ def _assert_same_run(model_dir, reference):
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, data_dir):
-  """The uninterrupted run (and a warm JAX compilation cache for the interrupted ones)."""
+  """The uninterrupted run (and a warm JAX compilation cache for the interrupted ones), launched right after a
+  `--check` of the same configuration in its own MODEL_DIR, in one process (conftest.launch_each): base, the run's
+  MODEL_DIR, and the check's MODEL_DIR and CompletedProcess."""
   base = tmp_path_factory.mktemp("ft_e2e")
-  model_dir = str(base / "reference")
-  assert _launch(model_dir, data_dir).wait(timeout=300) == 0
-  return base, model_dir
+  model_dir, check_dir = str(base / "reference"), str(base / "check")
+  check, done = conftest.launch_each("t5x_like.train", [launch_args(check_dir, data_dir)[3:] + ["--check"],
+                                                         launch_args(model_dir, data_dir)[3:]], env=launch_env())
+  assert done.returncode == 0, done.stderr[-2000:]
+  return base, model_dir, (check_dir, check)
+
+
+@pytest.mark.slow  # one CLI launch (shared with the reference run)
+def test_train_check_flag_prints_the_report_and_configuration_ok_and_writes_nothing(reference_run):
+  _, _, (check_dir, check) = reference_run
+  assert check.returncode == 0, check.stderr[-2000:]
+  stdout = check.stdout
+  lines = stdout.strip().splitlines()
+  assert lines[-1] == "configuration OK" and any(line.startswith("params/total ") for line in lines), stdout
+  assert not os.path.exists(check_dir)  # nothing compiled, nothing written
 
 
 @pytest.mark.slow  # end to end: launches the CLI three times
@@ -191,7 +205,7 @@ def test_sigterm_then_kill_9_then_resume_is_bit_identical(reference_run, data_di
   """One run, interrupted twice: SIGTERM at step ≥ 10 checkpoints at that step and exits 75; the relaunch is
   killed -9 at a random later step (seed 1), losing the steps after its last checkpoint; the third launch
   finishes. Every logged loss (the redone steps too) and the final parameters equal the uninterrupted run's."""
-  base, reference = reference_run
+  base, reference, _ = reference_run
   model_dir = str(base / "interrupted")
   code = _interrupt(model_dir, data_dir, 10, signal.SIGTERM)
   assert code == fault_tolerance.EXIT_PREEMPTED

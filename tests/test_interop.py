@@ -6,8 +6,6 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import flax.linen as nn
 import gin
@@ -45,7 +43,6 @@ from tests import test_parallelism  # pylint: disable=g-import-not-at-top
 from tests.hf_reference import (  # pylint: disable=g-import-not-at-top,unused-import  (fixtures too)
     VOCAB, TEXT, MODELS, padded_batch, hf_logits, our_logits, hf_models, imported, tokenizer)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -380,14 +377,16 @@ def test_output_folder_is_never_overwritten(hf_models, tmp_path):
 
 @pytest.mark.slow
 def test_cli_exports_with_model_gin_and_fails_in_one_line(hf_models, imported, tmp_path):
-  run = lambda *args: subprocess.run([sys.executable, "-m", "t5x_like.convert", *args], cwd=REPO,
-                                     capture_output=True, text=True, timeout=300)
-  done = run("to_hf", f"--model_dir={imported['llama_gqa'][0]}", f"--output_dir={tmp_path / 'hf'}")
-  assert done.returncode == 0, done.stderr
+  """to_hf from a converted model's folder (its model.gin) writes HF's tensors back exactly; from_hf on a folder
+  without config.json exits 1 with one line on stderr and writes nothing."""
+  done, failed = conftest.launch_each("t5x_like.convert", [
+      ["to_hf", f"--model_dir={imported['llama_gqa'][0]}", f"--output_dir={tmp_path / 'hf'}"],
+      ["from_hf", f"--hf_dir={tmp_path}", f"--output_dir={tmp_path / 'again'}"]])
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.startswith(f"wrote {tmp_path / 'hf'} from "), done.stdout
   original, exported = _tensors(hf_models["llama_gqa"][1]), _tensors(str(tmp_path / "hf"))
   assert sorted(original) == sorted(exported)
   assert all(np.array_equal(original[k], exported[k]) for k in original)
-  failed = run("from_hf", f"--hf_dir={tmp_path}", f"--output_dir={tmp_path / 'again'}")
   assert failed.returncode == 1
   assert failed.stderr.strip().splitlines() == [f"error: {tmp_path}: no config.json: not a Hugging Face model folder"]
   assert not os.path.exists(tmp_path / "again")

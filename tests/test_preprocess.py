@@ -3,19 +3,21 @@
 import collections
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from t5x_like.data import input_pipeline as ip
 from t5x_like.data import packing
 from t5x_like.data import preprocessing as pp
 from t5x_like.data import shard_writer
 from t5x_like.data import text_cleaning
 from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.data.text_cleaning import CleaningConfig
+from tests import conftest
+from tests.test_chat_data import chat_dir, raw, tok  # pylint: disable=unused-import  (fixtures of the CLI test)
+from tests.test_quality import noisy_inputs  # pylint: disable=unused-import  (a fixture of the CLI test)
 
 TESTDATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata")
 INPUTS = [os.path.join(TESTDATA, "sample.txt"), os.path.join(TESTDATA, "sample.jsonl")]
@@ -209,12 +211,43 @@ def test_empty_glob_is_an_error_naming_it(tmp_path):
     pp.preprocess([str(tmp_path / "nothing-here*.txt")], str(tmp_path / "o"), **KW)
 
 
-@pytest.mark.slow  # fast subset: the developer loop; CI runs it
-def test_cli_bad_input_is_one_line_error(tmp_path):
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-  bad = subprocess.run([sys.executable, "-m", "t5x_like.preprocess", f"--input={tmp_path}/none*",
-                        f"--output_dir={tmp_path}/o"], capture_output=True, text=True, env=env)
-  assert bad.returncode != 0
-  assert "Traceback" not in bad.stderr
-  assert bad.stderr.strip().splitlines()[-1] == \
-      f"preprocess: error: --input '{tmp_path}/none*' matches no file"
+@pytest.mark.slow  # the one CLI launch of the data tests (~10 s)
+def test_cli_chat_quality_filters_and_bad_input(chat_dir, raw, noisy_inputs, corpus, tmp_path):
+  """`python -m t5x_like.preprocess`, three runs one after another in one process (conftest.launch_each):
+  chat: a gin-bound ChatTemplate field and --tokenizer=DATA_DIR reach the manifest; a malformed line is named
+  and counted, the run exits 0;
+  quality: --quality_filters, --near_dedup, --near_dedup_threshold and a gin-bound QualityConfig limit, end to end;
+  bad input: an --input that matches no file is a one-line error (no traceback), a nonzero exit status."""
+  out, _ = chat_dir
+  gin = tmp_path / "template.gin"
+  gin.write_text("data.ChatTemplate.default_system = 'answer briefly'\n")
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"prompt": "x"}\n')
+  (tmp_path / "none").mkdir()
+  runs = [["--format=chat", f"--input={raw[2]}", f"--input={bad}", f"--output_dir={tmp_path / 'chat'}",
+           f"--tokenizer={out}", f"--gin_file={gin}", "--validation_fraction=0"],
+          [f"--input={noisy_inputs[0]}", f"--input={noisy_inputs[1]}", f"--output_dir={tmp_path / 'quality'}",
+           f"--tokenizer={corpus}", "--quality_filters", "--near_dedup", "--near_dedup_threshold=0.7",
+           "--num_workers=1", "--gin.data.QualityConfig.max_digit_ratio=1.0", "--validation_fraction=0"],
+          [f"--input={tmp_path}/none/none*", f"--output_dir={tmp_path}/none/o"]]
+  chat_run, quality_run, bad_run = conftest.launch_each("t5x_like.preprocess", runs,
+                                                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+  assert chat_run.returncode == 0, chat_run.stderr[-2000:]
+  assert quality_run.returncode == 0, quality_run.stderr[-2000:]
+  chat_out, quality_out = chat_run.stdout, quality_run.stdout
+
+  assert f"{bad}:1: wrong_shape: missing key 'completion'" in chat_out
+  assert "malformed_wrong_shape=1" in chat_out
+  manifest = ip.load_manifest(str(tmp_path / "chat"))
+  assert manifest["chat_template"]["default_system"] == "answer briefly"  # MULTI_TURN has its own system turn
+
+  dropped = [line for line in quality_out.splitlines() if line.startswith("| dropped |")]
+  assert dropped == ["| dropped | duplicate=3, near_duplicate=10, symbol_ratio=1 |"]  # any share of digits allowed
+  cleaning = json.load(open(tmp_path / "quality" / "manifest.json"))["cleaning"]
+  assert cleaning["near_dedup"]["threshold"] == 0.7 and cleaning["quality"]["max_digit_ratio"] == 1.0
+  assert cleaning["strip_html"] == "auto"
+
+  assert bad_run.returncode != 0
+  assert "Traceback" not in bad_run.stderr
+  assert bad_run.stderr.strip().splitlines()[-1] == \
+      f"preprocess: error: --input '{tmp_path}/none/none*' matches no file"

@@ -2,7 +2,6 @@
 
 import collections
 import json
-import os
 import random
 
 import numpy as np
@@ -136,19 +135,4 @@ def test_beam_runner_writes_identical_shards_with_the_filters_on(noisy_inputs, c
   assert local["dropped"]["near_duplicate"] == 10 and np.sum(local["validation"]["num_documents"]) >= 4
 
 
-@pytest.mark.slow  # the one CLI launch of the data tests (~15 s)
-def test_cli_flags_reach_the_filters(noisy_inputs, corpus, tmp_path):
-  """--quality_filters, --near_dedup, --near_dedup_threshold and a gin-bound QualityConfig limit, end to end."""
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  run = subprocess.run([sys.executable, "-m", "t5x_like.preprocess", f"--input={noisy_inputs[0]}",
-                        f"--input={noisy_inputs[1]}", f"--output_dir={tmp_path / 'o'}", f"--tokenizer={corpus}",
-                        "--quality_filters", "--near_dedup", "--near_dedup_threshold=0.7", "--num_workers=1",
-                        "--gin.data.QualityConfig.max_digit_ratio=1.0", "--validation_fraction=0"],
-                       capture_output=True, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), check=False)
-  assert run.returncode == 0, run.stderr
-  dropped = [line for line in run.stdout.splitlines() if line.startswith("| dropped |")]
-  assert dropped == ["| dropped | duplicate=3, near_duplicate=10, symbol_ratio=1 |"]  # any share of digits allowed
-  cleaning = json.load(open(tmp_path / "o" / "manifest.json"))["cleaning"]
-  assert cleaning["near_dedup"]["threshold"] == 0.7 and cleaning["quality"]["max_digit_ratio"] == 1.0
-  assert cleaning["strip_html"] == "auto"
+# The CLI flags reaching the filters: test_preprocess.py's test_cli_chat_quality_filters_and_bad_input.

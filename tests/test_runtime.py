@@ -3,11 +3,7 @@ with the settings the run recorded (rank, alpha, targets, base), so `infer` need
 
 import dataclasses
 import os
-import subprocess
-import sys
 
-from absl import flags
-import gin
 import jax
 import numpy as np
 import pytest
@@ -15,8 +11,6 @@ import pytest
 from tests import conftest
 from tests.test_finetune import REPO, TINY, random_params, run_config
 
-from t5x_like import cli
-from t5x_like import infer
 from t5x_like.parallel import partitioning
 from t5x_like.posttrain import lora
 from t5x_like.posttrain import lora_runs  # pylint: disable=unused-import  (registers the LoRA reader, as cli does)
@@ -79,23 +73,26 @@ def test_lora_run_restores_merged_with_its_recorded_settings(corpus, runs):
   assert changed == 2  # the run's targets (qkv, out), not the default seven kernels
 
 
-def _infer(monkeypatch, capsys, model_dir, data_dir) -> str:
-  """`python -m t5x_like.infer` in its own process (in-process, its flags would clash with another entry point's
-  a test worker may have imported, e.g. checkpoints' --step)."""
-  del monkeypatch, capsys
-  argv = [f"--gin_file={REPO}/configs/runs/pretrain.gin", f"--gin.MODEL_DIR='{model_dir}'",
-          f"--gin.DATA_DIR='{data_dir}'", "--gin.SEQ_LEN=16", "--gin.BATCH_SIZE=8",
-          "--prompt=the trainer reads", "--prompt=a shard", "--max_new_tokens=6"]
-  argv += [f"--gin.{k}={v}" for k, v in CLI_MODEL.items()]
-  done = subprocess.run([sys.executable, "-m", "t5x_like.infer", *argv], cwd=REPO, capture_output=True, text=True,
-                        timeout=300, env=dict(os.environ, XLA_FLAGS=conftest.xla_flags(8), JAX_PLATFORMS="cpu"))
-  assert done.returncode == 0, done.stderr[-2000:]
-  return done.stdout
+def _infer_each(model_dirs, data_dir) -> list:
+  """The stdout of `python -m t5x_like.infer` on each of `model_dirs`, launched one after another in one process
+  (conftest.launch_each; in the test worker its flags would clash with another entry point's, e.g. checkpoints'
+  --step)."""
+  runs = []
+  for model_dir in model_dirs:
+    argv = [f"--gin_file={REPO}/configs/runs/pretrain.gin", f"--gin.MODEL_DIR='{model_dir}'",
+            f"--gin.DATA_DIR='{data_dir}'", "--gin.SEQ_LEN=16", "--gin.BATCH_SIZE=8",
+            "--prompt=the trainer reads", "--prompt=a shard", "--max_new_tokens=6"]
+    runs.append(argv + [f"--gin.{k}={v}" for k, v in CLI_MODEL.items()])
+  done = conftest.launch_each("t5x_like.infer", runs,
+                              env=dict(os.environ, XLA_FLAGS=conftest.xla_flags(8), JAX_PLATFORMS="cpu"))
+  for run in done:
+    assert run.returncode == 0, run.stderr[-2000:]
+  return [run.stdout for run in done]
 
 
-def test_infer_on_a_lora_run_needs_no_lora_flag(corpus, runs, monkeypatch, capsys):
-  lora_out = _infer(monkeypatch, capsys, runs["lora_dir"], corpus)
-  merged_out = _infer(monkeypatch, capsys, runs["merged_dir"], corpus)
+def test_infer_on_a_lora_run_needs_no_lora_flag(corpus, runs):
+  """infer on the LoRA run (no LoRA flag) prints what infer on the merged plain run prints, at the run's step."""
+  lora_out, merged_out = _infer_each([runs["lora_dir"], runs["merged_dir"]], corpus)
   assert lora_out.splitlines()[0] == "# checkpoint step 3" and merged_out.splitlines()[0] == "# checkpoint step 0"
   assert lora_out.splitlines()[1:] == merged_out.splitlines()[1:] and len(lora_out.splitlines()) > 3
 
