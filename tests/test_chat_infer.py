@@ -2,16 +2,13 @@
 model whose answers are known, the reference loss against the input pipeline's, and bad lines named by file:line."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 
-from tests import conftest
+from tests.test_observability import run_entry_point
 
 from t5x_like.data import chat
 from t5x_like.data import chat_synth
@@ -26,7 +23,6 @@ from t5x_like.training import config as config_lib
 from t5x_like.recipes import experiment as experiment_lib
 from t5x_like.training import optimizer as optimizer_lib
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = model_lib.GPTConfig(num_layers=1, num_heads=2, d_model=32, d_ff=64, max_len=64, dtype="float32",
                            tie_embeddings=False)
 CLI_MODEL = [f"--gin.model.GPTConfig.{k}={v}" for k, v in dict(
@@ -98,15 +94,18 @@ def answering_params(params, encoder):
   return p
 
 
-def run_cli(module: str, *args) -> subprocess.CompletedProcess:
-  env = dict(os.environ, XLA_FLAGS=conftest.xla_flags(1), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
-  return subprocess.run([sys.executable, "-m", module, "--gin_file=configs/models/gpt_tiny.gin",
-                         "--gin_file=configs/runs/pretrain.gin", *CLI_MODEL, *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=300)
+def run_cli(monkeypatch, capsys, module: str, *args) -> tuple:
+  """(exit code, stdout, stderr) of `python -m t5x_like.<module>` with the tests' model, run in this process
+  (8 devices)."""
+  capsys.readouterr()
+  code = run_entry_point(monkeypatch, module, ["--gin_file=configs/models/gpt_tiny.gin",
+                                               "--gin_file=configs/runs/pretrain.gin", *CLI_MODEL, *args])
+  captured = capsys.readouterr()
+  return code, captured.out, captured.err
 
 
 @pytest.mark.slow  # fast subset: the developer loop; CI runs it
-def test_infer_chat_writes_the_greedy_answers(setup, tmp_path):
+def test_infer_chat_writes_the_greedy_answers(setup, tmp_path, monkeypatch, capsys):
   lines = chat_eval.read_chat_lines(setup["files"]["mixed"])
   encoder, tok = setup["encoder"], setup["tok"]
   prompts = [encoder.prompt_ids(line.messages) for line in lines]
@@ -118,11 +117,12 @@ def test_infer_chat_writes_the_greedy_answers(setup, tmp_path):
       setup["random"], np.array([p]), config=setup["exp"].model_config, max_new_tokens=6))[0]) for p in prompts]
   assert len(set(texts)) == len(texts) and all(texts)  # distinct, non-empty answers: a meaningful comparison
   out = tmp_path / "out.jsonl"
-  result = run_cli("t5x_like.infer", "--chat", f"--prompt_file={setup['files']['mixed']}", f"--output_file={out}",
-                   "--max_new_tokens=6", "--batch_size=2", f"--gin.MODEL_DIR='{setup['root'] / 'random'}'",
-                   f"--gin.DATA_DIR='{setup['data_dir']}'")
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert f"{len(lines)} answers written to {out}" in result.stdout
+  code, stdout, stderr = run_cli(monkeypatch, capsys, "infer", "--chat", f"--prompt_file={setup['files']['mixed']}",
+                                 f"--output_file={out}", "--max_new_tokens=6", "--batch_size=2",
+                                 f"--gin.MODEL_DIR='{setup['root'] / 'random'}'",
+                                 f"--gin.DATA_DIR='{setup['data_dir']}'")
+  assert code in (None, 0), stderr[-3000:]
+  assert f"{len(lines)} answers written to {out}" in stdout
   written = [json.loads(line) for line in open(out, encoding="utf-8")]
   assert [w["messages"][-1] for w in written] == [{"role": "assistant", "content": t} for t in texts]
   assert [[(m["role"], m["content"]) for m in w["messages"][:-1]] for w in written] == [list(l.messages) for l in lines]
@@ -196,16 +196,18 @@ def test_reference_weights_cover_the_last_assistant_turn_only(setup):
 
 
 @pytest.mark.slow  # fast subset: the developer loop; CI runs it
-def test_evaluate_generate_cli_reports_exact_match_and_writes_json(setup, tmp_path):
+def test_evaluate_generate_cli_reports_exact_match_and_writes_json(setup, tmp_path, monkeypatch, capsys):
   report_path = tmp_path / "report.json"
-  result = run_cli("t5x_like.evaluate", "--generate", f"--prompt_file={setup['files']['mixed']}",
-                   f"--output_file={report_path}", "--batch_size=2", "--max_new_tokens=6",
-                   f"--gin.MODEL_DIR='{setup['root'] / 'answering'}'", f"--gin.DATA_DIR='{setup['data_dir']}'")
-  assert result.returncode == 0, result.stderr[-3000:]
+  code, stdout, stderr = run_cli(monkeypatch, capsys, "evaluate", "--generate",
+                                 f"--prompt_file={setup['files']['mixed']}", f"--output_file={report_path}",
+                                 "--batch_size=2", "--max_new_tokens=6",
+                                 f"--gin.MODEL_DIR='{setup['root'] / 'answering'}'",
+                                 f"--gin.DATA_DIR='{setup['data_dir']}'")
+  assert code in (None, 0), stderr[-3000:]
   report = json.loads(open(report_path, encoding="utf-8").read())
-  assert json.loads(result.stdout.strip().splitlines()[-1]) == report
-  assert f"exact match 0.6000 (3/5)" in result.stdout
-  want = evaluate(setup, setup["answering"])  # in this process: 8 devices, one batch of 5
+  assert json.loads(stdout.strip().splitlines()[-1]) == report
+  assert f"exact match 0.6000 (3/5)" in stdout
+  want = evaluate(setup, setup["answering"])  # batches of 5, not the CLI's 2
   assert report["step"] == 0 and report["prompt_file"] == setup["files"]["mixed"]
   for key in ("generate/examples", "generate/exact_matches", "generate/exact_match", "generate/mismatches",
               "generate/tokens", "generate/max_new_tokens"):

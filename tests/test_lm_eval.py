@@ -20,6 +20,7 @@ from t5x_like.evaluation import runs  # pylint: disable=g-import-not-at-top
 from t5x_like.evaluation import tasks as lm_tasks  # pylint: disable=g-import-not-at-top
 from tests.hf_reference import hf_models, imported, tokenizer  # pylint: disable=g-import-not-at-top,unused-import
 from tests.test_fault_tolerance import REPO, launch_args, launch_env  # pylint: disable=g-import-not-at-top
+from tests.test_observability import run_entry_point  # pylint: disable=g-import-not-at-top
 
 WORDS = ["the quick brown fox", "jumps over the lazy dog;", "hello world, hello there.", "the lazy fox"]
 
@@ -125,54 +126,68 @@ def _corpus_task(folder):
   return _write_mc_task(folder, "hosts", rows)
 
 
-@pytest.mark.slow  # two training launches, two evaluate launches
-def test_tasks_in_the_training_loop_and_the_evaluate_cli(corpus, tmp_path):
+def _launch(args) -> subprocess.Popen:
+  return subprocess.Popen(args, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finished(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+  out, err = proc.communicate(timeout=400)
+  return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.slow  # trains and evaluates in process; two launches that must fail (exit code 1, one stderr line)
+def test_tasks_in_the_training_loop_and_the_evaluate_cli(corpus, tmp_path, monkeypatch, capsys):
   """In the loop: task scores at the interval in metrics.jsonl, TensorBoard and the plot's Tasks panel; an unknown
   task stops the start in one line. After: `evaluate --tasks` on the same run's checkpoint runs the shipped tasks
-  and writes lm-eval's results; a bad --num_fewshot is one line."""
+  and writes lm-eval's results; a bad --num_fewshot is one line. The run and `evaluate --tasks` run in this process
+  (train and evaluate's main, 8 devices: the mesh all data-parallel), each failing launch meanwhile."""
   from t5x_like.observe import plots  # pylint: disable=g-import-not-at-top
   tasks = _corpus_task(str(tmp_path / "tasks"))
   model_dir = str(tmp_path / "run")
   flags = ["--gin.observe.ObserveConfig.tasks=('hosts',)", "--gin.observe.ObserveConfig.task_every=2",
            f"--gin.observe.ObserveConfig.task_dir='{tasks}'", "--gin.model.GPTConfig.max_len=128"]
-  done = subprocess.run(launch_args(model_dir, corpus, 4) + flags, cwd=REPO, env=launch_env(), capture_output=True,
-                        text=True, timeout=400)
-  assert done.returncode == 0, done.stderr[-3000:]
-  records = plots.read_records(model_dir)
-  assert [r["step"] for r in records if "tasks/hosts/acc" in r] == [2, 4]
-  assert all(0 <= r["tasks/hosts/acc"] <= 1 for r in records if "tasks/hosts/acc" in r)
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  tags = {v.tag for path in tf.io.gfile.glob(f"{model_dir}/events.out.tfevents*")
-          for event in tf.compat.v1.train.summary_iterator(path) for v in event.summary.value}
-  assert "tasks/hosts/acc" in tags
-  assert plots.task_panel({"run": records})[2] == [("tasks/hosts/acc", "o-", "hosts/acc")]
-  png = plots.plot_runs({"run": records}, str(tmp_path / "curves.png"))
-  assert os.path.getsize(png) > 1000
   # a task that cannot load stops the start, before anything compiles, in one line
-  done = subprocess.run(launch_args(str(tmp_path / "bad"), corpus, 4) + flags[:1] + [
-      "--gin.observe.ObserveConfig.tasks=('nope',)", f"--gin.observe.ObserveConfig.task_dir='{tasks}'"],
-      cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=400)
+  bad_start = _launch(launch_args(str(tmp_path / "bad"), corpus, 4) + flags[:1] + [
+      "--gin.observe.ObserveConfig.tasks=('nope',)", f"--gin.observe.ObserveConfig.task_dir='{tasks}'"])
+  bad_fewshot = None
+  try:
+    code = run_entry_point(monkeypatch, "train", launch_args(model_dir, corpus, 4)[3:] + flags + [
+        "--gin.MESH_SHAPE={'pipeline': 1, 'data': -1}"])
+    assert code in (None, 0), capsys.readouterr().err[-3000:]
+    # the evaluate CLI on the run's checkpoint: the shipped tasks, then a bad --num_fewshot
+    base = [sys.executable, "-m", "t5x_like.evaluate", f"--gin_file={model_dir}/config.gin"]
+    shutil.copytree(lm_tasks.shipped_task_dir(), tmp_path / "shipped")
+    bad_fewshot = _launch(base + ["--tasks=copy_digits", "--num_fewshot=50", f"--task_dir={tmp_path / 'shipped'}"])
+    out = str(tmp_path / "results.json")
+    capsys.readouterr()
+    code = run_entry_point(monkeypatch, "evaluate", base[3:] + [
+        "--tasks=pystdlib_next_line,pystdlib_cloze,copy_digits", "--limit=4", f"--output_file={out}"])
+    stdout, stderr = capsys.readouterr()
+    assert code in (None, 0), stderr[-3000:]
+    assert "|pystdlib_next_line|" in stdout and "exact_match" in stdout
+    results = json.load(open(out))["results"]
+    assert set(results) == {"pystdlib_next_line", "pystdlib_cloze", "copy_digits"}
+    assert results["pystdlib_next_line"]["sample_len"] == 4 and 0 <= results["pystdlib_next_line"]["acc,none"] <= 1
+    assert results["copy_digits"]["exact_match,none"] >= 0 and results["pystdlib_cloze"]["perplexity,none"] > 1
+    records = plots.read_records(model_dir)
+    assert [r["step"] for r in records if "tasks/hosts/acc" in r] == [2, 4]
+    assert all(0 <= r["tasks/hosts/acc"] <= 1 for r in records if "tasks/hosts/acc" in r)
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    tags = {v.tag for path in tf.io.gfile.glob(f"{model_dir}/events.out.tfevents*")
+            for event in tf.compat.v1.train.summary_iterator(path) for v in event.summary.value}
+    assert "tasks/hosts/acc" in tags
+    assert plots.task_panel({"run": records})[2] == [("tasks/hosts/acc", "o-", "hosts/acc")]
+    png = plots.plot_runs({"run": records}, str(tmp_path / "curves.png"))
+    assert os.path.getsize(png) > 1000
+  finally:
+    done = _finished(bad_start)
+    fewshot = bad_fewshot and _finished(bad_fewshot)
   assert done.returncode == 1
   assert done.stderr.strip().splitlines()[-1].startswith("error: unknown task 'nope'"), done.stderr[-2000:]
   assert not any("loss" in r for r in plots.read_records(str(tmp_path / "bad")))  # no step ran (only the report)
-  # the evaluate CLI on the run's checkpoint: the shipped tasks, then a bad --num_fewshot
-  base = [sys.executable, "-m", "t5x_like.evaluate", f"--gin_file={model_dir}/config.gin"]
-  out = str(tmp_path / "results.json")
-  done = subprocess.run(base + ["--tasks=pystdlib_next_line,pystdlib_cloze,copy_digits", "--limit=4",
-                                f"--output_file={out}"], cwd=REPO, env=launch_env(), capture_output=True,
-                        text=True, timeout=600)
-  assert done.returncode == 0, done.stderr[-3000:]
-  assert "|pystdlib_next_line|" in done.stdout and "exact_match" in done.stdout
-  results = json.load(open(out))["results"]
-  assert set(results) == {"pystdlib_next_line", "pystdlib_cloze", "copy_digits"}
-  assert results["pystdlib_next_line"]["sample_len"] == 4 and 0 <= results["pystdlib_next_line"]["acc,none"] <= 1
-  assert results["copy_digits"]["exact_match,none"] >= 0 and results["pystdlib_cloze"]["perplexity,none"] > 1
-  shutil.copytree(lm_tasks.shipped_task_dir(), tmp_path / "shipped")
-  done = subprocess.run(base + ["--tasks=copy_digits", "--num_fewshot=50", f"--task_dir={tmp_path / 'shipped'}"],
-                        cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
-  assert done.returncode == 1
-  assert done.stderr.strip().splitlines()[-1].startswith("error: task 'copy_digits'"), done.stderr[-2000:]
-  assert "--num_fewshot=50 but the data holds only 20" in done.stderr
+  assert fewshot.returncode == 1
+  assert fewshot.stderr.strip().splitlines()[-1].startswith("error: task 'copy_digits'"), fewshot.stderr[-2000:]
+  assert "--num_fewshot=50 but the data holds only 20" in fewshot.stderr
 
 
 def test_a_task_failing_mid_run_is_reported_once_and_training_goes_on(monkeypatch, caplog):

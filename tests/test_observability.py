@@ -1,7 +1,12 @@
 """One real tiny run (subprocess, 8 CPU devices, data×fsdp×tensor mesh) observed from outside: metrics.jsonl,
-the Prometheus endpoint while it trains, the profiler trace, the plot, evaluate and infer CLIs (prompts from
-flags and a file; an unreadable newest checkpoint skipped for the one before it)."""
+the Prometheus endpoint while it trains, the profiler trace, the plot, evaluate and infer CLIs (run in this
+process, on 8 devices too; prompts from flags and a file; an unreadable newest checkpoint skipped for the one
+before it).
 
+run_entry_point (also used by test_lm_eval, test_chat_infer and test_export_tokenizer) runs an entry point's main
+in this process, as conftest.run_cli_in_process does, with that entry point's own flags."""
+
+import importlib
 import json
 import math
 import os
@@ -14,6 +19,8 @@ import time
 import urllib.error
 import urllib.request
 
+from absl import flags
+import gin
 import jax
 import numpy as np
 import pytest
@@ -35,9 +42,11 @@ from t5x_like.recipes import experiment
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = "{'pipeline': 1, 'data': 2, 'fsdp': 2, 'tensor': 2}"
-STEPS, LOG_EVERY, EVAL_EVERY, BATCH, SEQ = 24, 2, 12, 8, 32
+STEPS, LOG_EVERY, EVAL_EVERY, BATCH, SEQ = 12, 2, 6, 8, 32
 UNREADABLE = STEPS + 6  # the newer, damaged checkpoint step of the `damaged` copy
 PROFILE = (5, 6)
+# gpt_tiny.gin's layout, smaller: every compile of the file (train and eval steps, engines, the recompute) is cheaper
+MODEL = {"num_layers": 2, "num_heads": 2, "d_model": 32, "d_ff": 64, "max_len": 64}
 
 
 def free_port() -> int:
@@ -49,14 +58,58 @@ def free_port() -> int:
 def gin_args(model_dir, data_dir):
   return ["--gin_file=configs/models/gpt_tiny.gin", "--gin_file=configs/runs/pretrain.gin",
           f"--gin.MODEL_DIR='{model_dir}'", f"--gin.DATA_DIR='{data_dir}'", f"--gin.MESH_SHAPE={MESH}",
-          f"--gin.BATCH_SIZE={BATCH}", f"--gin.SEQ_LEN={SEQ}"]
+          f"--gin.BATCH_SIZE={BATCH}", f"--gin.SEQ_LEN={SEQ}",
+          *[f"--gin.model.GPTConfig.{k}={v}" for k, v in MODEL.items()]]
 
 
-def cli(module, *args, timeout=600):
-  proc = subprocess.run([sys.executable, "-m", f"t5x_like.{module}", *args], cwd=ROOT, capture_output=True,
-                        text=True, timeout=timeout)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return proc.stdout
+def _t5x_like_flags() -> dict:
+  """name → Flag of every flag a t5x_like module defined (not absl's own)."""
+  return {f.name: f for f in flags.FLAGS._flags().values()  # pylint: disable=protected-access
+          if (flags.FLAGS.find_module_defining_flag(f.name) or "").startswith("t5x_like")}
+
+
+def run_entry_point(monkeypatch, module: str, argv) -> object:
+  """`python -m t5x_like.<module> *argv` in this process (conftest.run_cli_in_process; returns the exit code):
+  the module imported afresh and its flags defined (at import, or by its define_flags), every other t5x_like
+  flag set aside meanwhile (checkpoints' --step, plot's --out, another entry point's: absl refuses a flag
+  defined twice) and put back after, with absl's module registries; gin's config cleared before and after.
+  (A module the entry point imports for the first time that defines flags at import would lose them after:
+  train, evaluate, infer and convert import none.)"""
+  name, fv = f"t5x_like.{module}", flags.FLAGS
+  registries = (fv.flags_by_module_dict(), fv.flags_by_module_id_dict(), fv.key_flags_by_module_dict())
+  saved_registries = [{k: list(v) for k, v in r.items()} for r in registries]
+  aside, previous = _t5x_like_flags(), sys.modules.pop(name, None)
+  for flag in aside:
+    delattr(fv, flag)
+  gin.clear_config()
+  try:
+    entry = importlib.import_module(name)
+    if hasattr(entry, "define_flags"):
+      entry.define_flags()
+    return conftest.run_cli_in_process(monkeypatch, lambda: cli_lib.run(entry.main), [module, *argv])
+  finally:
+    gin.clear_config()
+    for flag in _t5x_like_flags():
+      delattr(fv, flag)
+    for flag_name, flag in aside.items():
+      fv[flag_name] = flag
+    for registry, saved in zip(registries, saved_registries):
+      registry.clear()
+      registry.update(saved)
+    if previous is None:
+      sys.modules.pop(name, None)
+    else:
+      sys.modules[name] = previous
+      setattr(sys.modules["t5x_like"], module, previous)
+
+
+def cli(monkeypatch, capsys, module, *args) -> str:
+  """stdout of `python -m t5x_like.<module> *args`, run in this process (8 devices, as the run's launch)."""
+  capsys.readouterr()
+  code = run_entry_point(monkeypatch, module, args)
+  captured = capsys.readouterr()
+  assert code in (None, 0), captured.err[-3000:]
+  return captured.out
 
 
 def scrape(port):
@@ -68,7 +121,7 @@ def scrape(port):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  """Trains 24 steps with the endpoint on and a trace of steps 5..6, scraping /metrics while it runs."""
+  """Trains STEPS steps with the endpoint on and a trace of steps 5..6, scraping /metrics while it runs."""
   root = tmp_path_factory.mktemp("observed")
   rng = random.Random(0)
   os.makedirs(root / "raw")
@@ -191,10 +244,10 @@ def damaged(run, tmp_path_factory):
 
 
 def experiment_on(model_dir, data_dir):
-  """The run's Experiment (gpt_tiny on the run's mesh), pointed at `model_dir`."""
+  """The run's Experiment (gpt_tiny with MODEL's sizes, on the run's mesh), pointed at `model_dir`."""
   config = config_lib.TrainConfig(model_dir=model_dir, data_dir=data_dir, batch_size=BATCH, seq_len=SEQ,
                                   mesh_shape=eval(MESH))  # pylint: disable=eval-used
-  tiny = model_lib.GPTConfig(num_layers=4, num_heads=4, d_model=128, d_ff=512, max_len=512, dtype="float32")
+  tiny = model_lib.GPTConfig(**MODEL, dtype="float32")
   return experiment.Experiment(config, tiny, optimizer_lib.OptimizerConfig())
 
 
@@ -215,8 +268,10 @@ def test_restore_params_falls_back_past_an_unreadable_newest_checkpoint(run, dam
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), jax.device_get(clean.restore_params()[1]))
 
 
-def test_evaluate_cli_matches_the_runs_own_evaluation_past_an_unreadable_checkpoint(run, damaged):
-  out = cli("evaluate", *gin_args(damaged, run["data_dir"]))
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's loop, after the failed read
+def test_evaluate_cli_matches_the_runs_own_evaluation_past_an_unreadable_checkpoint(run, damaged, monkeypatch,
+                                                                                   capsys):
+  out = cli(monkeypatch, capsys, "evaluate", *gin_args(damaged, run["data_dir"]))
   result = json.loads(out.strip().splitlines()[-1])
   assert result["step"] == STEPS and result["split"] == "validation"
   assert result["eval/perplexity"] == pytest.approx(math.exp(result["eval/loss"]), rel=1e-12)
@@ -225,15 +280,17 @@ def test_evaluate_cli_matches_the_runs_own_evaluation_past_an_unreadable_checkpo
   assert f"loss {result['eval/loss']:.6f}" in out and f"perplexity {result['eval/perplexity']:.4f}" in out
 
 
-def test_infer_cli_continues_prompts_from_flags_and_file_past_an_unreadable_checkpoint(run, damaged, tmp_path):
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's loop, after the failed read
+def test_infer_cli_continues_prompts_from_flags_and_file_past_an_unreadable_checkpoint(run, damaged, tmp_path,
+                                                                                     monkeypatch, capsys):
   """--prompt and --prompt_file (blank lines skipped), from the last readable checkpoint: each sample
   is its prompt + the greedy continuation of a cache-free recompute on one device, cut at EOS."""
   prompt_file = tmp_path / "prompts.txt"
   prompt_file.write_text("every host packs\n\na shard writes\n")
   prompts = ["the trainer", "every host packs", "a shard writes"]
   new_tokens = 12
-  out = cli("infer", *gin_args(damaged, run["data_dir"]), "--prompt=the trainer", f"--prompt_file={prompt_file}",
-            f"--max_new_tokens={new_tokens}")
+  out = cli(monkeypatch, capsys, "infer", *gin_args(damaged, run["data_dir"]), "--prompt=the trainer",
+            f"--prompt_file={prompt_file}", f"--max_new_tokens={new_tokens}")
   header, *samples = out.split("# sample ")
   assert header == f"# checkpoint step {STEPS}\n"
   exp = experiment_on(run["model_dir"], run["data_dir"])
