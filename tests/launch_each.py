@@ -1,7 +1,8 @@
-"""`python tests/launch_each.py MODULE RUNS_JSON`: runs `python -m MODULE ARGV` for each ARGV of the JSON list in this
-one process, each through the module's own `__main__` block (runpy), as a new launch would: the flags the run
-defined are deleted and gin's configuration cleared after it. One import of the package serves every run; a test
-that needs several launches of one entry point, none of them killed or signalled, pays one start-up.
+"""`python tests/launch_each.py MODULE RUNS_JSON`: runs `python -m MODULE ARGV` for each ARGV of the JSON list in
+this one process, each through the module's own `__main__` block (runpy), as a new launch would: the flags the run
+defined (t5x_like's; absl's own are defined once, before the runs) are deleted and gin's configuration cleared
+after it. One import of the package serves every run: a test that needs several launches of one entry point, none
+of them killed or signalled, pays one start-up.
 
 Every run but the last ends with a line "=== exit CODE" on both stdout and stderr; the last ends the process as a
 launch would (its exit status, its one-line error), so `conftest.launch_each` can split the output per run.

@@ -1,5 +1,5 @@
-"""Metric sinks (the log, TensorBoard event files, MODEL_DIR/metrics.jsonl) and the log-interval meter that turns per-step
-device metrics into loss, throughput, MFU, time split, memory and queue-depth scalars."""
+"""Metric sinks (the log, TensorBoard event files, MODEL_DIR/metrics.jsonl) and the log-interval meter that turns
+per-step device metrics into loss, throughput, MFU, time split, memory and queue-depth scalars."""
 
 import contextlib
 import json
@@ -22,8 +22,8 @@ class MetricsLogger:
   """Writes scalars to the log, TensorBoard and metrics.jsonl (process 0 only writes files).
 
   The log line is "[step] key=value, ..." (sorted keys, floats to 6 significant digits). TensorBoard's event
-  files in MODEL_DIR come from tf.summary itself: clu's writer, used before, imports TensorBoard's hparams
-  plugin and through it Keras, about a second of every command's start-up. metrics.jsonl holds one JSON object
+  files in MODEL_DIR come from tf.summary itself: clu's writer, used before, imported TensorBoard's hparams
+  plugin and through it Keras (docs/performance.md, Start-up). metrics.jsonl holds one JSON object
   per call: {"step": N, "loss": 3.1415926..., ...}, floats at full precision (Python's shortest round-trip repr
   of the float32/float64 value).
   """
