@@ -139,6 +139,61 @@ def run_cli_in_process(monkeypatch, run, argv) -> object:
   return exit_info.value.code
 
 
+def _t5x_like_flags() -> dict:
+  """name → Flag of every flag a t5x_like module defined (not absl's own)."""
+  from absl import flags as absl_flags  # pylint: disable=g-import-not-at-top
+  return {f.name: f for f in absl_flags.FLAGS._flags().values()  # pylint: disable=protected-access
+          if (absl_flags.FLAGS.find_module_defining_flag(f.name) or "").startswith("t5x_like")}
+
+
+def run_entry_point(monkeypatch, module: str, argv) -> object:
+  """`python -m t5x_like.<module> *argv` in this process (run_cli_in_process; returns the exit code):
+  the module imported afresh and its flags defined (at import, or by its define_flags), every other t5x_like
+  flag set aside meanwhile (checkpoints' --step, plot's --out, another entry point's: absl refuses a flag
+  defined twice) and put back after, with absl's module registries; gin's config cleared before and after.
+  (A module the entry point imports for the first time that defines flags at import would lose them after:
+  train, evaluate, infer and convert import none.)"""
+  import importlib  # pylint: disable=g-import-not-at-top
+  from absl import flags as absl_flags  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import gin  # pylint: disable=g-import-not-at-top
+  from t5x_like import cli  # pylint: disable=g-import-not-at-top
+  name, fv = f"t5x_like.{module}", absl_flags.FLAGS
+  registries = (fv.flags_by_module_dict(), fv.flags_by_module_id_dict(), fv.key_flags_by_module_dict())
+  saved_registries = [{k: list(v) for k, v in r.items()} for r in registries]
+  aside, previous = _t5x_like_flags(), sys.modules.pop(name, None)
+  for flag in aside:
+    delattr(fv, flag)
+  gin.clear_config()
+  try:
+    entry = importlib.import_module(name)
+    if hasattr(entry, "define_flags"):
+      entry.define_flags()
+    return run_cli_in_process(monkeypatch, lambda: cli.run(entry.main), [module, *argv])
+  finally:
+    gin.clear_config()
+    for flag in _t5x_like_flags():
+      delattr(fv, flag)
+    for flag_name, flag in aside.items():
+      fv[flag_name] = flag
+    for registry, saved in zip(registries, saved_registries):
+      registry.clear()
+      registry.update(saved)
+    if previous is None:
+      sys.modules.pop(name, None)
+    else:
+      sys.modules[name] = previous
+      setattr(sys.modules["t5x_like"], module, previous)
+
+
+def finished(proc, timeout: float = 300):
+  """The subprocess.CompletedProcess of a started Popen (stdout and stderr piped, text), once it has ended: tests
+  start independent launches together and collect them with this."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  out, err = proc.communicate(timeout=timeout)
+  return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def launch_each(module: str, runs, env=None, timeout: float = 300) -> list:
   """`python -m module argv` for each argv of `runs`, one after another in one process (tests/launch_each.py: each
   through the module's own `__main__`, flags and gin reset between them): a CompletedProcess per run, the last

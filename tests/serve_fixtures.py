@@ -111,24 +111,6 @@ class ServerProcess:
       self.proc.communicate()
 
 
-class Launch:
-  """`python -m <module> <args>` started now in the repository; result() waits for it. Tests start independent
-  launches together so that their start-ups (imports, compiles) overlap."""
-
-  def __init__(self, module: str, *args, environ: dict | None = None):
-    self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=environ or env(),
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-  def result(self, timeout_seconds: float = 300) -> subprocess.CompletedProcess:
-    out, err = self.proc.communicate(timeout=timeout_seconds)
-    return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
-
-  def stop(self) -> None:
-    if self.proc.poll() is None:
-      self.proc.kill()
-    self.proc.communicate()
-
-
 def post(url: str, body, raw: bool = False) -> tuple:
   """(status, JSON reply, headers (case-insensitive)) of a POST (`raw`: body is already bytes)."""
   data = body if raw else json.dumps(body).encode()

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.test_observability import run_entry_point
+from tests import conftest
 
 from t5x_like.data import chat
 from t5x_like.data import chat_synth
@@ -98,7 +98,7 @@ def run_cli(monkeypatch, capsys, module: str, *args) -> tuple:
   """(exit code, stdout, stderr) of `python -m t5x_like.<module>` with the tests' model, run in this process
   (8 devices)."""
   capsys.readouterr()
-  code = run_entry_point(monkeypatch, module, ["--gin_file=configs/models/gpt_tiny.gin",
+  code = conftest.run_entry_point(monkeypatch, module, ["--gin_file=configs/models/gpt_tiny.gin",
                                                "--gin_file=configs/runs/pretrain.gin", *CLI_MODEL, *args])
   captured = capsys.readouterr()
   return code, captured.out, captured.err

@@ -12,7 +12,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from t5x_like.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
 from tests.test_fault_tolerance import REPO, launch_args, launch_env  # pylint: disable=g-import-not-at-top
-from tests.test_observability import run_entry_point  # pylint: disable=g-import-not-at-top
+from tests import conftest  # pylint: disable=g-import-not-at-top
 
 TEXT = "the quick brown fox sees a lazy dog.\nThe cat runs."
 
@@ -29,9 +29,9 @@ def test_pretraining_run_exports_its_data_dirs_tokenizer(corpus, tmp_path, monke
   shutil.copytree(corpus, data_dir)
   model_dir = str(tmp_path / "run")
   train_args = launch_args(model_dir, data_dir, 2)[3:] + ["--gin.MESH_SHAPE={'pipeline': 1, 'data': -1}"]
-  assert run_entry_point(monkeypatch, "train", train_args) in (None, 0)
+  assert conftest.run_entry_point(monkeypatch, "train", train_args) in (None, 0)
   out = str(tmp_path / "hf")
-  assert run_entry_point(monkeypatch, "convert", _convert_args(model_dir, out)) in (None, 0)
+  assert conftest.run_entry_point(monkeypatch, "convert", _convert_args(model_dir, out)) in (None, 0)
   ours = tokenizer_lib.load(data_dir)
   # The DATA_DIR gone: the weights are still written, and one line says where no tokenizer was found.
   shutil.rmtree(data_dir)

@@ -20,7 +20,7 @@ from t5x_like.evaluation import runs  # pylint: disable=g-import-not-at-top
 from t5x_like.evaluation import tasks as lm_tasks  # pylint: disable=g-import-not-at-top
 from tests.hf_reference import hf_models, imported, tokenizer  # pylint: disable=g-import-not-at-top,unused-import
 from tests.test_fault_tolerance import REPO, launch_args, launch_env  # pylint: disable=g-import-not-at-top
-from tests.test_observability import run_entry_point  # pylint: disable=g-import-not-at-top
+from tests import conftest  # pylint: disable=g-import-not-at-top
 
 WORDS = ["the quick brown fox", "jumps over the lazy dog;", "hello world, hello there.", "the lazy fox"]
 
@@ -130,11 +130,6 @@ def _launch(args) -> subprocess.Popen:
   return subprocess.Popen(args, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _finished(proc: subprocess.Popen) -> subprocess.CompletedProcess:
-  out, err = proc.communicate(timeout=400)
-  return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
 @pytest.mark.slow  # trains and evaluates in process; two launches that must fail (exit code 1, one stderr line)
 def test_tasks_in_the_training_loop_and_the_evaluate_cli(corpus, tmp_path, monkeypatch, capsys):
   """In the loop: task scores at the interval in metrics.jsonl, TensorBoard and the plot's Tasks panel; an unknown
@@ -151,7 +146,7 @@ def test_tasks_in_the_training_loop_and_the_evaluate_cli(corpus, tmp_path, monke
       "--gin.observe.ObserveConfig.tasks=('nope',)", f"--gin.observe.ObserveConfig.task_dir='{tasks}'"])
   bad_fewshot = None
   try:
-    code = run_entry_point(monkeypatch, "train", launch_args(model_dir, corpus, 4)[3:] + flags + [
+    code = conftest.run_entry_point(monkeypatch, "train", launch_args(model_dir, corpus, 4)[3:] + flags + [
         "--gin.MESH_SHAPE={'pipeline': 1, 'data': -1}"])
     assert code in (None, 0), capsys.readouterr().err[-3000:]
     # the evaluate CLI on the run's checkpoint: the shipped tasks, then a bad --num_fewshot
@@ -160,7 +155,7 @@ def test_tasks_in_the_training_loop_and_the_evaluate_cli(corpus, tmp_path, monke
     bad_fewshot = _launch(base + ["--tasks=copy_digits", "--num_fewshot=50", f"--task_dir={tmp_path / 'shipped'}"])
     out = str(tmp_path / "results.json")
     capsys.readouterr()
-    code = run_entry_point(monkeypatch, "evaluate", base[3:] + [
+    code = conftest.run_entry_point(monkeypatch, "evaluate", base[3:] + [
         "--tasks=pystdlib_next_line,pystdlib_cloze,copy_digits", "--limit=4", f"--output_file={out}"])
     stdout, stderr = capsys.readouterr()
     assert code in (None, 0), stderr[-3000:]
@@ -180,8 +175,8 @@ def test_tasks_in_the_training_loop_and_the_evaluate_cli(corpus, tmp_path, monke
     png = plots.plot_runs({"run": records}, str(tmp_path / "curves.png"))
     assert os.path.getsize(png) > 1000
   finally:
-    done = _finished(bad_start)
-    fewshot = bad_fewshot and _finished(bad_fewshot)
+    done = conftest.finished(bad_start, timeout=400)
+    fewshot = bad_fewshot and conftest.finished(bad_fewshot, timeout=400)
   assert done.returncode == 1
   assert done.stderr.strip().splitlines()[-1].startswith("error: unknown task 'nope'"), done.stderr[-2000:]
   assert not any("loss" in r for r in plots.read_records(str(tmp_path / "bad")))  # no step ran (only the report)

@@ -1,12 +1,8 @@
 """One real tiny run (subprocess, 8 CPU devices, data×fsdp×tensor mesh) observed from outside: metrics.jsonl,
 the Prometheus endpoint while it trains, the profiler trace, the plot, evaluate and infer CLIs (run in this
 process, on 8 devices too; prompts from flags and a file; an unreadable newest checkpoint skipped for the one
-before it).
+before it)."""
 
-run_entry_point (also used by test_lm_eval, test_chat_infer and test_export_tokenizer) runs an entry point's main
-in this process, as conftest.run_cli_in_process does, with that entry point's own flags."""
-
-import importlib
 import json
 import math
 import os
@@ -19,8 +15,6 @@ import time
 import urllib.error
 import urllib.request
 
-from absl import flags
-import gin
 import jax
 import numpy as np
 import pytest
@@ -62,51 +56,10 @@ def gin_args(model_dir, data_dir):
           *[f"--gin.model.GPTConfig.{k}={v}" for k, v in MODEL.items()]]
 
 
-def _t5x_like_flags() -> dict:
-  """name → Flag of every flag a t5x_like module defined (not absl's own)."""
-  return {f.name: f for f in flags.FLAGS._flags().values()  # pylint: disable=protected-access
-          if (flags.FLAGS.find_module_defining_flag(f.name) or "").startswith("t5x_like")}
-
-
-def run_entry_point(monkeypatch, module: str, argv) -> object:
-  """`python -m t5x_like.<module> *argv` in this process (conftest.run_cli_in_process; returns the exit code):
-  the module imported afresh and its flags defined (at import, or by its define_flags), every other t5x_like
-  flag set aside meanwhile (checkpoints' --step, plot's --out, another entry point's: absl refuses a flag
-  defined twice) and put back after, with absl's module registries; gin's config cleared before and after.
-  (A module the entry point imports for the first time that defines flags at import would lose them after:
-  train, evaluate, infer and convert import none.)"""
-  name, fv = f"t5x_like.{module}", flags.FLAGS
-  registries = (fv.flags_by_module_dict(), fv.flags_by_module_id_dict(), fv.key_flags_by_module_dict())
-  saved_registries = [{k: list(v) for k, v in r.items()} for r in registries]
-  aside, previous = _t5x_like_flags(), sys.modules.pop(name, None)
-  for flag in aside:
-    delattr(fv, flag)
-  gin.clear_config()
-  try:
-    entry = importlib.import_module(name)
-    if hasattr(entry, "define_flags"):
-      entry.define_flags()
-    return conftest.run_cli_in_process(monkeypatch, lambda: cli_lib.run(entry.main), [module, *argv])
-  finally:
-    gin.clear_config()
-    for flag in _t5x_like_flags():
-      delattr(fv, flag)
-    for flag_name, flag in aside.items():
-      fv[flag_name] = flag
-    for registry, saved in zip(registries, saved_registries):
-      registry.clear()
-      registry.update(saved)
-    if previous is None:
-      sys.modules.pop(name, None)
-    else:
-      sys.modules[name] = previous
-      setattr(sys.modules["t5x_like"], module, previous)
-
-
 def cli(monkeypatch, capsys, module, *args) -> str:
   """stdout of `python -m t5x_like.<module> *args`, run in this process (8 devices, as the run's launch)."""
   capsys.readouterr()
-  code = run_entry_point(monkeypatch, module, args)
+  code = conftest.run_entry_point(monkeypatch, module, args)
   captured = capsys.readouterr()
   assert code in (None, 0), captured.err[-3000:]
   return captured.out

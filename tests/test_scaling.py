@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from scipy import optimize
 
+from tests import conftest
+
 from t5x_like.experiments import sweep
 from t5x_like.planning import scaling_law
 from t5x_like.planning import scaling_runs
@@ -115,11 +117,6 @@ def _scaling(*args) -> subprocess.Popen:
                           stderr=subprocess.PIPE, text=True)
 
 
-def _result(proc: subprocess.Popen) -> subprocess.CompletedProcess:
-  out, err = proc.communicate(timeout=300)
-  return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
 def test_cli_fit_prints_the_law_and_the_compute_optimum(tmp_path):
   """Exact losses of the known law at 5 sizes × 4 evaluations: the CLI recovers its exponents and optimum; `plan`
   reads the saved fit; too few sizes is a one-line error (that launch runs alongside `fit`)."""
@@ -128,8 +125,8 @@ def test_cli_fit_prints_the_law_and_the_compute_optimum(tmp_path):
   fake_run(extra, 60_000_000, [(s, float(TRUE.loss(60_000_000, s * 16 * 128))) for s in (100, 300, 1000, 3000)])
   fitting = _scaling("fit", f"--runs={tmp_path}/run*,{extra}", f"--holdout={extra}", "--flops=1e20", "--bootstrap=4",
                      f"--save={tmp_path}/fit.json", f"--plot={tmp_path}/fit.png")
-  bad = _result(_scaling("fit", f"--runs={dirs[0]},{dirs[1]}"))
-  out = _result(fitting)
+  bad = conftest.finished(_scaling("fit", f"--runs={dirs[0]},{dirs[1]}"))
+  out = conftest.finished(fitting)
   assert out.returncode == 0, out.stderr[-2000:]
   alpha = float(re.search(r"alpha = (\S+)", out.stdout).group(1))
   beta = float(re.search(r"beta  = (\S+)", out.stdout).group(1))
@@ -141,7 +138,7 @@ def test_cli_fit_prints_the_law_and_the_compute_optimum(tmp_path):
   assert held.group(1) == extra + ":" or held.group(1) == extra, out.stdout
   assert abs(float(held.group(2))) < 1.0, out.stdout  # exact losses of the law: the prediction is within 1%
   assert (tmp_path / "fit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  plan = _result(_scaling("plan", f"--fit={tmp_path}/fit.json", "--flops=1e20"))
+  plan = conftest.finished(_scaling("plan", f"--fit={tmp_path}/fit.json", "--flops=1e20"))
   assert plan.returncode == 0 and re.search(r"N = ([\d,]+) parameters", plan.stdout).group(1) == f"{n_opt:,.0f}"
   assert bad.returncode == 1 and bad.stderr.startswith("error: a fit needs runs of at least 3 model sizes")
   assert len(bad.stderr.strip().splitlines()) == 1

@@ -10,6 +10,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -41,6 +43,22 @@ def run(tmp_path_factory):
   return sf.make_run(str(tmp_path_factory.mktemp("serve")))
 
 
+class Launch:
+  """`python -m <module> <args>` started now with ENV; result() (conftest.finished) waits for it."""
+
+  def __init__(self, module: str, *args):
+    self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=sf.REPO, env=ENV,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+  def result(self) -> subprocess.CompletedProcess:
+    return conftest.finished(self.proc)
+
+  def stop(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.kill()
+    self.proc.communicate()
+
+
 @pytest.fixture(scope="module")
 def launches(run):
   """The slow tests' launches, started together by the first of them so that their start-ups overlap: the 429
@@ -48,12 +66,12 @@ def launches(run):
   started = {
       "queue": sf.ServerProcess(run, "--max_batch=2", "--max_waiting=1", "--shutdown_timeout_seconds=30",
                                 environ=ENV, wait=False),
-      "infer": sf.Launch("t5x_like.infer", *sf.run_args(run), f"--prompt={PROMPT}", "--temperature=0",
-                         "--max_new_tokens=12", environ=ENV),
-      "infer_chat": sf.Launch("t5x_like.infer", *sf.run_args(run), "--chat", f"--prompt={CHAT[0]['content']}",
-                              "--max_new_tokens=10", environ=ENV),
-      "help": sf.Launch("t5x_like.serve", "--help", environ=ENV),
-      "bad_flag": sf.Launch("t5x_like.serve", *sf.run_args(run), "--max_batch=0", environ=ENV),
+      "infer": Launch("t5x_like.infer", *sf.run_args(run), f"--prompt={PROMPT}", "--temperature=0",
+                      "--max_new_tokens=12"),
+      "infer_chat": Launch("t5x_like.infer", *sf.run_args(run), "--chat", f"--prompt={CHAT[0]['content']}",
+                           "--max_new_tokens=10"),
+      "help": Launch("t5x_like.serve", "--help"),
+      "bad_flag": Launch("t5x_like.serve", *sf.run_args(run), "--max_batch=0"),
   }
   yield started
   for proc in started.values():

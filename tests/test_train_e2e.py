@@ -50,11 +50,6 @@ def launches(dataset, tmp_path_factory):
     proc.communicate()
 
 
-def _result(proc: subprocess.Popen) -> subprocess.CompletedProcess:
-  out, err = proc.communicate(timeout=300)
-  return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
 def run_config(model_dir, data_dir, **overrides):
   base = dict(model_dir=model_dir, data_dir=data_dir, train_steps=80, batch_size=8, seq_len=32, seed=0,
               log_every=10, eval_every=40, checkpoint_every=40, mesh_shape={"data": -1})
@@ -115,7 +110,7 @@ def _cli(*args) -> subprocess.Popen:
 
 @pytest.mark.slow  # end to end: trains, or launches the CLI
 def test_cli_bad_input_exits_with_one_line_reason(launches, tmp_path):
-  missing = _result(launches["missing"])
+  missing = conftest.finished(launches["missing"])
   assert missing.returncode != 0
   last = missing.stderr.strip().splitlines()[-1]
   assert last.startswith("error:") and f"{launches['root']}/nope" in last
@@ -134,7 +129,7 @@ def test_cli_bad_input_exits_with_one_line_reason(launches, tmp_path):
 
 @pytest.mark.slow
 def test_exit_codes_nonfinite_65_and_unwritable_model_dir_74(launches, dataset, tmp_path):
-  nan = _result(launches["nan"])
+  nan = conftest.finished(launches["nan"])
   assert nan.returncode == 65, nan.stderr[-2000:]
   assert nan.stderr.strip().splitlines()[-1].startswith("stopped: 2 consecutive non-finite steps ending at step 3")
   locked = tmp_path / "locked"
