@@ -1,5 +1,5 @@
-"""`python -m t5x_like.convert from_hf|to_hf ...`: Hugging Face GPT-2 / Llama / Mixtral / Qwen2 / Qwen3 / Mistral
-checkpoints in and out (docs/interop.md).
+"""`python -m t5x_like.convert from_hf|to_hf ...`: Hugging Face GPT-2 / Llama / Mixtral / Qwen2 / Qwen3 / Mistral /
+Gemma 2 / Gemma 3 checkpoints in and out (docs/interop.md).
 
   python -m t5x_like.convert from_hf --hf_dir=DIR --output_dir=MODEL_DIR
   python -m t5x_like.convert to_hf --model_dir=MODEL_DIR --output_dir=DIR [--step=N] [--tokenizer=DIR]

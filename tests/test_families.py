@@ -1,10 +1,13 @@
-"""Qwen2, Qwen3 and Mistral on the one decoder (qkv_bias, qk_norm, sliding_window) against the real transformers
-(CPU, small random models built here, no hub download): imported logits on left- and right-padded batches, exports
-that transformers reloads bit-exact, greedy tokens, decoding past the sliding window, packed documents under the
-window, the published parameter counts of qwen3_8b / mistral_7b, and config.json options we refuse by name."""
+"""Qwen2, Qwen3, Mistral, Gemma 2 and Gemma 3 on the one decoder (qkv_bias, qk_norm, sliding_window; Gemma's (1 + w)
+norms before and after each sublayer, GeGLU, scaled embeddings, query scale, soft-capping, local layers between
+global ones with their own rotary base) against the real transformers (CPU, small random models built here, no hub
+download): imported logits on left- and right-padded batches, exports that transformers reloads bit-exact, greedy
+tokens, decoding past the sliding window, packed documents under the window, the published parameter counts of
+qwen3_8b / gemma3_4b / mistral_7b, and config.json options we refuse by name."""
 
 import dataclasses
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -19,8 +22,10 @@ from t5x_like.interop import hf_config  # pylint: disable=g-import-not-at-top
 from t5x_like.model import decoder  # pylint: disable=g-import-not-at-top
 from t5x_like.model import layers  # pylint: disable=g-import-not-at-top
 from t5x_like.observe import flops  # pylint: disable=g-import-not-at-top
+from t5x_like.observe import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
 from t5x_like.planning import memory_model  # pylint: disable=g-import-not-at-top
 from t5x_like.training import checkpointing  # pylint: disable=g-import-not-at-top
+from tests import test_fault_tolerance  # pylint: disable=g-import-not-at-top
 from tests import test_parallelism  # pylint: disable=g-import-not-at-top
 from tests.decode_reference import engine_tokens, generate_by_recompute  # pylint: disable=g-import-not-at-top
 from tests.hf_reference import COMMON, INIT, VOCAB, padded_batch, save_tokenizer  # pylint: disable=g-import-not-at-top
@@ -42,11 +47,27 @@ FAMILIES = {
     "qwen2_window": (transformers.Qwen2Config, dict(ARCH, num_key_value_heads=2, tie_word_embeddings=False,
                                                     use_sliding_window=True, sliding_window=WINDOW,
                                                     max_window_layers=0)),
+    # local, global (layer_types' default for Gemma 2); caps low enough that tanh bends the logits of this model
+    "gemma2": (transformers.Gemma2Config, dict(ARCH, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+                                               query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                               final_logit_softcapping=3.0)),
+    # local, local, global; the global layers' rotary base linearly scaled, the local ones' their own base
+    "gemma3": (transformers.Gemma3TextConfig, dict(
+        ARCH, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+        query_pre_attn_scalar=12, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
 }
+GEMMA = dict(norm="rmsnorm_plus_one", post_norms=True, mlp_activation="geglu", scale_embeddings=True, use_bias=False,
+             tie_embeddings=True, attention_head_dim=16, sliding_window=WINDOW)
 OPTIONS = {"qwen2": dict(qkv_bias=True, use_bias=False, tie_embeddings=True),
            "qwen3": dict(qk_norm=True, use_bias=False, tie_embeddings=False, attention_head_dim=16),
            "mistral": dict(sliding_window=WINDOW, use_bias=False, tie_embeddings=False),
-           "qwen2_window": dict(qkv_bias=True, sliding_window=WINDOW, use_bias=False, tie_embeddings=False)}
+           "qwen2_window": dict(qkv_bias=True, sliding_window=WINDOW, use_bias=False, tie_embeddings=False),
+           "gemma2": dict(GEMMA, sliding_window_pattern=2, attention_scale_dim=24, attention_softcap=2.0,
+                          final_logit_softcap=3.0, rope_local_theta=0.0),
+           "gemma3": dict(GEMMA, qk_norm=True, sliding_window_pattern=3, attention_scale_dim=12, rope_theta=1000.0,
+                          rope_scaling="linear", rope_scaling_factor=2.0, rope_local_theta=100.0)}
 LEFT_PADDED = [[5, 17, 42, 9, 250, 33, 8, 71, 120, 3, 99, 64], [7, 260, 11, 40, 2, 19, 77], [31, 6, 210, 45]]
 
 
@@ -99,11 +120,24 @@ def test_imported_logits_equal_transformers(name, families):
   assert all(f"model.GPTConfig.{k} = {v!r}" in gin_text for k, v in OPTIONS[name].items())
 
 
-def test_mistral_window_is_what_makes_long_sequences_match(families):
-  """12 tokens through a window of 5: the same model with full causal attention is far from transformers."""
-  model, _, _, config, params = families["mistral"]
+def test_xla_attention_keeps_the_attention_softcap(families):
+  """attention_impl='xla' (pretrain.gin's) on Gemma 2: jax.nn.dot_product_attention cannot cap, so the einsum path
+  runs and the logits still equal transformers'."""
+  model, _, _, config, params = families["gemma2"]
+  tokens, segment_ids = (np.asarray(a) for a in padded_batch())
+  ours, theirs = _logits_pair(model, dataclasses.replace(config, attention_impl="xla"), params, tokens, segment_ids)
+  valid = segment_ids.astype(bool)
+  np.testing.assert_allclose(ours[valid], theirs[valid], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_the_window_is_what_makes_long_sequences_match(name, families):
+  """12 tokens through a window of 5 (Gemma 2: in its local layer only): the same model with full causal attention
+  is far from transformers."""
+  model, _, _, config, params = families[name]
   tokens, segment_ids = (np.asarray(a) for a in sampling.left_pad(LEFT_PADDED))
-  full, theirs = _logits_pair(model, dataclasses.replace(config, sliding_window=0), params, tokens, segment_ids)
+  full_causal = dataclasses.replace(config, sliding_window=0, sliding_window_pattern=0)
+  full, theirs = _logits_pair(model, full_causal, params, tokens, segment_ids)
   late = np.zeros_like(segment_ids, bool)
   late[0, WINDOW:] = True  # the first row's tokens that have more than WINDOW predecessors
   assert np.abs(full[late] - theirs[late]).max() > 1e-2
@@ -143,9 +177,11 @@ def test_greedy_generation_equals_transformers(name, families):
 
 
 @pytest.mark.slow  # fast subset: test_greedy_generation_equals_transformers[mistral] decodes past the window
-def test_mistral_decoding_past_the_window_equals_recompute(families):
-  """The KV cache keeps every column; the window mask must hide those more than W − 1 behind the query."""
-  _, _, _, config, params = families["mistral"]
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_decoding_past_the_window_equals_recompute(name, families):
+  """The KV cache keeps every column; the window mask must hide those more than W − 1 behind the query (Gemma 3:
+  in its local layers, while its global layer reads them all)."""
+  _, _, _, config, params = families[name]
   prompts = np.array([LEFT_PADDED[0][:4], LEFT_PADDED[1][:4]], np.int32)
   cached = engine_tokens(config, params, prompts, 7)
   recomputed = generate_by_recompute(params, prompts, config=config, max_new_tokens=7)
@@ -166,16 +202,26 @@ def test_packed_documents_stay_isolated_under_the_window(families):
   np.testing.assert_allclose(packed_logits[0, 6:], alone[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name, published", [("qwen3_8b", 8_190_735_360), ("mistral_7b", 7_241_732_096)])
+@pytest.mark.parametrize("name, published", [("qwen3_8b", 8_190_735_360), ("mistral_7b", 7_241_732_096),
+                                           ("gemma3_4b", 3_880_263_168)])
 def test_big_configs_have_the_published_parameter_counts(name, published):
-  """Qwen3-8B (8.19B) and Mistral-7B-v0.1 (7.24B), counted as the planner counts them."""
+  """Qwen3-8B (8.19B), Mistral-7B-v0.1 (7.24B) and Gemma 3 4B's text decoder (3.88B; 4.3B with its vision tower),
+  counted as the planner counts them; Gemma's also counted by transformers (a meta-device model of the published
+  config)."""
   cfg = _model_config(name)
   cfg.validate()
   assert decoder.count_params(cfg) == published
-  assert hf_config.export_architecture(cfg) == {"qwen3_8b": hf_config.QWEN3, "mistral_7b": hf_config.MISTRAL}[name]
+  assert hf_config.export_architecture(cfg) == {"qwen3_8b": hf_config.QWEN3, "mistral_7b": hf_config.MISTRAL,
+                                                "gemma3_4b": hf_config.GEMMA3}[name]
+  if name == "gemma3_4b":
+    config_cls, kwargs = PUBLISHED[name]
+    with torch.device("meta"):
+      model = transformers.AutoModelForCausalLM.from_config(config_cls(**kwargs))
+    assert sum(p.numel() for p in model.parameters()) == published
 
 
-# The published config.json values of Qwen/Qwen3-8B and mistralai/Mistral-7B-v0.1 (the keys our import reads).
+# The published config.json values of Qwen/Qwen3-8B, mistralai/Mistral-7B-v0.1 and the text_config of
+# google/gemma-3-4b-it (the keys our import reads; Gemma 3's as 4.x and the hub write them).
 PUBLISHED = {
     "qwen3_8b": (transformers.Qwen3Config, dict(
         vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -185,24 +231,42 @@ PUBLISHED = {
         vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-5,
         sliding_window=4096, tie_word_embeddings=False)),
+    "gemma3_4b": (transformers.Gemma3TextConfig, dict(
+        vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, max_position_embeddings=131072, rms_norm_eps=1e-6, sliding_window=1024,
+        sliding_window_pattern=6, query_pre_attn_scalar=256, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, final_logit_softcapping=None,
+        attn_logit_softcapping=None, tie_word_embeddings=True)),
 }
+
+
+def _hub_gemma3(kwargs: dict) -> dict:
+  """The text_config keys of a Gemma 3 config.json as the hub holds it (transformers 4.x names, no layer_types)."""
+  return {**COMMON, **kwargs, "model_type": "gemma3_text"}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
 def test_big_configs_are_what_the_published_config_json_imports_as(name):
+  """From transformers' own to_dict (5.x names: layer_types, rope_parameters per layer kind) and, for Gemma 3, from
+  the hub's 4.x keys (sliding_window_pattern, rope_local_base_freq, rope_scaling)."""
   config_cls, kwargs = PUBLISHED[name]
-  _, imported = hf_config.from_hf(config_cls(**kwargs).to_dict(), "config.json")
   ours = _model_config(name)
-  assert {k: getattr(ours, k) for k in hf_config.MODEL_FIELDS if k != "valid_vocab_size"} == {
-      k: getattr(imported, k) for k in hf_config.MODEL_FIELDS if k != "valid_vocab_size"}
+  fields = lambda c: {k: getattr(c, k) for k in hf_config.MODEL_FIELDS if k != "valid_vocab_size"}
+  sources = [config_cls(**kwargs).to_dict()] + ([_hub_gemma3(kwargs)] if name == "gemma3_4b" else [])
+  for source in sources:
+    _, imported = hf_config.from_hf(source, "config.json")
+    assert {**fields(imported), "vocab_size": imported.valid_vocab_size} == fields(ours)
 
 
-@pytest.mark.parametrize("name", ["qwen2_tiny", "qwen3_tiny", "mistral_tiny"])
+TINY_FAMILIES = {"qwen2_tiny": hf_config.QWEN2, "qwen3_tiny": hf_config.QWEN3, "mistral_tiny": hf_config.MISTRAL,
+                 "gemma2_tiny": hf_config.GEMMA2, "gemma3_tiny": hf_config.GEMMA3}
+
+
+@pytest.mark.parametrize("name", list(TINY_FAMILIES))
 def test_tiny_configs_are_their_family(name):
   cfg = _model_config(name)
   cfg.validate()
-  assert hf_config.export_architecture(dataclasses.replace(cfg, vocab_size=256)) == {
-      "qwen2_tiny": hf_config.QWEN2, "qwen3_tiny": hf_config.QWEN3, "mistral_tiny": hf_config.MISTRAL}[name]
+  assert hf_config.export_architecture(dataclasses.replace(cfg, vocab_size=256)) == TINY_FAMILIES[name]
 
 
 def test_sliding_window_attention_flops():
@@ -214,6 +278,37 @@ def test_sliding_window_attention_flops():
   assert attention(cfg, 16384, False) == pytest.approx(attention(full, 16384, False) / 4)
   exact = np.minimum(np.arange(1, 16385), 4096).mean()
   assert attention(cfg, 16384, True) == pytest.approx(4.0 * cfg.num_layers * cfg.d_model * exact, rel=1e-4)
+
+
+def test_local_and_global_layers_flops_and_scores():
+  """Gemma 3 4B at T = 16384: 29 local layers count their 1024-key window, the 5 global ones (layers 5, 11, ..., 29)
+  all T keys; the memory model's score buffer is a global layer's (the largest)."""
+  cfg = _model_config("gemma3_4b")
+  assert [i for i in range(cfg.num_layers) if not cfg.layer_is_local(i)] == [5, 11, 17, 23, 29]
+  assert flops.attended_keys(cfg, 16384, False) == pytest.approx((29 * 1024 + 5 * 16384) / 34)
+  full = dataclasses.replace(cfg, sliding_window=0, sliding_window_pattern=0, rope_local_theta=0.0)
+  assert flops.attended_keys(cfg, 1024, True) == flops.attended_keys(full, 1024, True)  # a window ≥ T skips nothing
+  assert memory_model.score_elements(cfg, 16384, 1) == memory_model.score_elements(full, 16384, 1)
+
+
+BAD_OPTIONS = {
+    "sliding_window_pattern": (dict(sliding_window=8, sliding_window_pattern=1), "must be 0 .* or ≥ 2"),
+    "pattern_without_window": (dict(sliding_window_pattern=2), "needs a sliding_window > 0"),
+    "rope_local_theta": (dict(rope_local_theta=100.0), "needs sliding_window_pattern ≥ 2"),
+    "softcap_kernel": (dict(attention_softcap=50.0, attention_impl="cudnn"), "not supported by attention_impl='cudnn'"),
+    "rope_scaling": (dict(rope_scaling="yarn"), "rope_scaling='yarn'"),
+    "norm": (dict(norm="gemma"), "GPTConfig.norm='gemma'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_OPTIONS))
+def test_bad_gemma_options_are_one_named_error(case):
+  changes, message = BAD_OPTIONS[case]
+  cfg = dataclasses.replace(_model_config("gemma2_tiny"), sliding_window=0, sliding_window_pattern=0)
+  cfg.validate()
+  with pytest.raises(ValueError, match=message) as error:
+    dataclasses.replace(cfg, **changes).validate()
+  assert "\n" not in str(error.value) and "GPTConfig." in str(error.value)
 
 
 def test_projection_flops_count_the_real_head_width(families):
@@ -250,6 +345,17 @@ REFUSED = {
     "qwen3_odd_head_dim": (dict(model_type="qwen3", head_dim=7), "head_dim=7 is odd"),
     "mistral_rope": (dict(model_type="mistral", rope_parameters={"rope_type": "yarn", "factor": 4.0}),
                      "rope_type='yarn' is not supported"),
+    "gemma2_layer_types": (dict(model_type="gemma2", sliding_window=4, num_hidden_layers=3,
+                                layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+                           r"layer_types=.* is not supported \(local layers with every N-th layer global"),
+    "gemma3_bidirectional": (dict(model_type="gemma3_text", use_bidirectional_attention=True),
+                             "use_bidirectional_attention=True is not supported"),
+    "gemma2_activation": (dict(model_type="gemma2", hidden_activation="relu"), "hidden_activation='relu'"),
+    "gemma3_local_rope": (dict(model_type="gemma3_text", sliding_window=4, layer_types=["sliding_attention",
+                                                                                        "full_attention"],
+                               rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 2.0},
+                                                "full_attention": {"rope_type": "default"}}),
+                          r"rope_parameters\['sliding_attention'\] rope_type='linear' is not supported"),
 }
 
 
@@ -276,6 +382,54 @@ def test_qwen_window_on_every_layer_imports_and_exports():
 LAYOUT_BASE = dataclasses.replace(test_parallelism.CFG, num_layers=2, norm="rmsnorm", mlp_activation="swiglu",
                                   position_embedding="rope", num_kv_heads=4, use_bias=False, qkv_bias=True,
                                   qk_norm=True, sliding_window=6)
+
+
+# Every Gemma option at once (Gemma 2's soft-capping with Gemma 3's qk-norm and per-kind rotary bases): 4 layers with
+# every third global (local, local, global, local), so a pipeline stage that took its chunk for the first layers would
+# make layer 2 local and fail the comparison.
+GEMMA_LAYOUT = dataclasses.replace(
+    test_parallelism.CFG, num_layers=4, norm="rmsnorm_plus_one", post_norms=True, mlp_activation="geglu",
+    scale_embeddings=True, position_embedding="rope", num_kv_heads=4, use_bias=False, qk_norm=True, sliding_window=6,
+    sliding_window_pattern=3, rope_theta=1000.0, rope_scaling="linear", rope_scaling_factor=2.0,
+    rope_local_theta=100.0, attention_scale_dim=12, attention_softcap=5.0, final_logit_softcap=10.0)
+
+
+@pytest.mark.slow  # ~30 s on 2 cores
+def test_gemma_options_train_on_data_fsdp_tensor_and_interleaved_pipeline_like_one_device():
+  """On data2×fsdp2×tensor2 and on pipeline2×data2×tensor2 with two virtual stages a device (chunks of one layer:
+  stage 0 runs layers 0 and 2, stage 1 layers 1 and 3)."""
+  initial = test_parallelism.host_initial_state(GEMMA_LAYOUT)
+  reference = test_parallelism.train(initial, {"data": 1}, devices=jax.devices()[:1], base=GEMMA_LAYOUT)
+  test_parallelism.assert_same_training(
+      test_parallelism.train(initial, {"data": 2, "fsdp": 2, "tensor": 2}, base=GEMMA_LAYOUT), reference)
+  test_parallelism.assert_same_training(
+      test_parallelism.train(initial, {"pipeline": 2, "data": 2, "tensor": 2}, pipeline_microbatches=2,
+                             pipeline_repeats=2, base=GEMMA_LAYOUT), reference)
+
+
+@pytest.mark.slow  # two in-process trainings, ~25 s on 2 cores
+def test_gemma_options_resume_bit_for_bit(tmp_path, corpus):
+  """A 6-step run of a model with every Gemma option (2 layers: local, global) checkpointed at 2, 4 and 6 loses
+  checkpoints 4 and 6; the relaunch redoes steps 3..6 with the same losses and ends on the same parameters."""
+  model = {k: getattr(GEMMA_LAYOUT, k) for k in hf_config.MODEL_FIELDS if k not in ("vocab_size", "max_len")}
+  model.update(num_layers=2, sliding_window_pattern=2, d_model=32, num_heads=2, num_kv_heads=0, d_ff=64)
+  test_fault_tolerance._train(tmp_path, corpus, model_overrides=model)  # pylint: disable=protected-access
+  digest = lambda: checkpointing.params_digest(checkpointing.restore_params(str(tmp_path))[1])
+  first, losses = digest(), _step_losses(tmp_path)
+  for step in (4, 6):
+    shutil.rmtree(os.path.join(checkpointing.checkpoint_dir(str(tmp_path)), str(step)))
+  test_fault_tolerance._train(tmp_path, corpus, model_overrides=model)  # pylint: disable=protected-access
+  resumed = _step_losses(tmp_path)
+  assert [resumed[s] for s in range(3, 7)] == [[losses[s][0]] * 2 for s in range(3, 7)]
+  assert losses[6][0] < losses[1][0] and digest() == first
+
+
+def _step_losses(model_dir) -> dict:
+  out = {}
+  for record in metrics_lib.read_metrics(str(model_dir)):
+    if "loss" in record:
+      out.setdefault(record["step"], []).append(record["loss"])
+  return out
 
 
 @pytest.mark.slow  # ~40 s on 2 cores

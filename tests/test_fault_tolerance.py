@@ -37,7 +37,7 @@ def data_dir(corpus):
 # In-process: the non-finite guard and its policies.
 
 
-def _train(model_dir, data_dir, fault_tolerance_overrides=(), optimizer_overrides=(), **overrides):
+def _train(model_dir, data_dir, fault_tolerance_overrides=(), optimizer_overrides=(), model_overrides=(), **overrides):
   from t5x_like.model import decoder as model  # pylint: disable=g-import-not-at-top
   from t5x_like.training import optimizer  # pylint: disable=g-import-not-at-top
   from t5x_like.training import config as config_lib  # pylint: disable=g-import-not-at-top
@@ -48,7 +48,7 @@ def _train(model_dir, data_dir, fault_tolerance_overrides=(), optimizer_override
               eval_every=0, checkpoint_every=2, data=data_lib.DataConfig(eval_batches=1, shuffle_buffer=64),
               checkpoint=checkpoints.CheckpointConfig(async_save=False), **nested)
   config = config_lib.TrainConfig(**{**base, **overrides})
-  model_config = model.GPTConfig(**{k.split(".")[-1]: v for k, v in TINY.items()})
+  model_config = model.GPTConfig(**{**{k.split(".")[-1]: v for k, v in TINY.items()}, **dict(model_overrides)})
   opt = optimizer.OptimizerConfig(**{"learning_rate": 1e-2, "warmup_steps": 0, **dict(optimizer_overrides)})
   return trainer.train(config, model_config, opt), (config, model_config, opt)
 

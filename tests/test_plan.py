@@ -31,14 +31,16 @@ def _target(hw="h100", n=8, batch=512, seq=1024, tokens=1e10, per_host=0):
 
 
 def closed_form_params(cfg) -> int:
-  """Parameters of a GPT-2-, Llama-, Mixtral-, Qwen- or Mistral-shaped decoder by hand: projections, biases (q/k/v
-  alone with qkv_bias), norms (q/k norms of head_dim with qk_norm), embeddings, head; an MoE layer's MLP is
-  num_experts MLPs of width moe_d_ff plus a bias-free d_model × num_experts router."""
+  """Parameters of a GPT-2-, Llama-, Mixtral-, Qwen-, Mistral- or Gemma-shaped decoder by hand: projections, biases
+  (q/k/v alone with qkv_bias), norms (two more a block with post_norms; q/k norms of head_dim with qk_norm),
+  embeddings, head; an MoE layer's MLP is num_experts MLPs of width moe_d_ff plus a bias-free d_model × num_experts
+  router."""
   d, f, h, k, dh, v = cfg.d_model, cfg.d_ff, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.vocab_size
-  gated = cfg.mlp_activation == "swiglu"
+  gated = cfg.mlp_activation in ("swiglu", "geglu")
   norm = 2 * d if cfg.norm == "layernorm" else d
   mlp = lambda width: (3 if gated else 2) * d * width + (((2 if gated else 1) * width + d) if cfg.use_bias else 0)
-  block = (2 * d * h * dh + 2 * d * k * dh + 2 * norm + (h * dh + 2 * k * dh if cfg.use_bias or cfg.qkv_bias else 0)
+  block = (2 * d * h * dh + 2 * d * k * dh + (4 if cfg.post_norms else 2) * norm
+           + (h * dh + 2 * k * dh if cfg.use_bias or cfg.qkv_bias else 0)
            + (d if cfg.use_bias else 0) + (2 * dh if cfg.qk_norm else 0))
   moe_layers = cfg.num_layers // cfg.moe_every if cfg.num_experts else 0
   moe_mlp = cfg.num_experts * mlp(cfg.moe_d_ff or f) + d * cfg.num_experts

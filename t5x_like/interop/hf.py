@@ -45,7 +45,8 @@ EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16
 
 
 def import_hf(hf_dir: str, output_dir: str) -> decoder.GPTConfig:
-  """Converts a Hugging Face GPT-2 / Llama / Mixtral / Qwen2 / Qwen3 / Mistral folder into a new MODEL_DIR.
+  """Converts a Hugging Face GPT-2 / Llama / Mixtral / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 (text) folder into
+  a new MODEL_DIR.
 
   Args:
     hf_dir: a folder with config.json and model.safetensors (or shards + model.safetensors.index.json, or

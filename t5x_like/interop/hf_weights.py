@@ -85,7 +85,8 @@ def gpt2_table(config: GPTConfig, prefix: str = "transformer.") -> list:
 
 def llama_table(config: GPTConfig, mixtral: bool = False) -> list:
   """LlamaForCausalLM's tensors: fused qkv slots when num_kv_heads == num_heads, else query + key_value. The
-  same names serve Qwen2 (q/k/v biases: qkv_bias), Qwen3 (q_norm / k_norm: qk_norm) and Mistral.
+  same names serve Qwen2 (q/k/v biases: qkv_bias), Qwen3 (q_norm / k_norm: qk_norm), Mistral and Gemma 2/3 (two
+  more norms a layer: post_norms; Gemma 3's q_norm / k_norm; the (1 + w) norm scales are stored as w, as ours).
 
   mixtral: MixtralForCausalLM's instead: the same attention, norms and embeddings; the MLP of every layer is
   `block_sparse_moe`: a router `gate` (E, D) and per expert e the SwiGLU matrices w1 (gate), w3 (up) and w2
@@ -97,9 +98,13 @@ def llama_table(config: GPTConfig, mixtral: bool = False) -> list:
     projections = [("q_proj", "attn/qkv", 0), ("k_proj", "attn/qkv", 1), ("v_proj", "attn/qkv", 2)]
   else:
     projections = [("q_proj", "attn/query", None), ("k_proj", "attn/key_value", 0), ("v_proj", "attn/key_value", 1)]
-  table = [Tensor("model.embed_tokens.weight", "token_embedding", fan_in=1, vocab_axis=0),
-           Tensor(h + "input_layernorm.weight", "blocks/ln_1/scale"),
-           Tensor(h + "post_attention_layernorm.weight", "blocks/ln_2/scale")]
+  if config.post_norms:  # Gemma 2/3: post_attention_layernorm norms the attention's output, not the MLP's input
+    norms = (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_post_attn"),
+             ("pre_feedforward_layernorm", "ln_2"), ("post_feedforward_layernorm", "ln_post_mlp"))
+  else:
+    norms = (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2"))
+  table = [Tensor("model.embed_tokens.weight", "token_embedding", fan_in=1, vocab_axis=0)]
+  table += [Tensor(f"{h}{hf_name}.weight", f"blocks/{ours}/scale") for hf_name, ours in norms]
   for hf_name, ours, index in projections:
     table.append(Tensor(f"{h}self_attn.{hf_name}.weight", f"blocks/{ours}/kernel",
                         part=() if index is None else (all_, index), fan_in=1, linear=True))

@@ -11,8 +11,9 @@ from t5x_like.parallel import layout
 
 REMAT_POLICIES = ("none", "full", "save_dots", "save_attention_out", "offload_dots")
 ATTENTION_IMPLS = ("reference", "xla", "cudnn")
-NORMS = ("layernorm", "rmsnorm")
-MLP_ACTIVATIONS = ("gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm", "rmsnorm_plus_one")
+MLP_ACTIVATIONS = ("gelu", "swiglu", "geglu")
+ROPE_SCALINGS = ("llama3", "linear")
 POSITION_EMBEDDINGS = ("learned", "rope")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -43,11 +44,20 @@ class GPTConfig:
   # chunks of layers, cutting the bubble to (p − 1)/(repeats·m + p − 1); needs pipeline_microbatches ≥ num_stages.
   pipeline_repeats: int = 1
   # Architecture options (the defaults are GPT-2; Llama = rmsnorm, swiglu, rope, num_kv_heads, no biases, untied head).
-  norm: str = "layernorm"  # layernorm (scale and bias) | rmsnorm (scale only); epsilon = layer_norm_epsilon
-  mlp_activation: str = "gelu"  # gelu (tanh approximation, GPT-2) | swiglu (silu(mlp_gate(x)) * mlp_in(x))
+  # layernorm (scale and bias) | rmsnorm (scale only) | rmsnorm_plus_one (Gemma: the stored scale w starts at 0 and
+  # multiplies as 1 + w, in float32; also the query/key norms'); epsilon = layer_norm_epsilon
+  norm: str = "layernorm"
+  post_norms: bool = False  # also norm each sublayer's output before the residual add (Gemma 2/3: 4 norms a block)
+  # gelu (tanh approximation, GPT-2) | swiglu (silu(mlp_gate(x)) * mlp_in(x)) | geglu (gelu(mlp_gate(x)) * mlp_in(x),
+  # tanh approximation: Gemma)
+  mlp_activation: str = "gelu"
+  scale_embeddings: bool = False  # token embeddings × √d_model before the first block (Gemma)
   position_embedding: str = "learned"  # learned (a max_len × d_model table) | rope (rotary, no parameters)
   rope_theta: float = 10000.0  # rotary base period
-  rope_scaling_factor: float = 1.0  # Llama-3 frequency scaling of long wavelengths; 1.0 = none
+  rope_scaling_factor: float = 1.0  # rotary frequency scaling (see rope_scaling); 1.0 = none
+  # llama3: only long wavelengths are divided by the factor (the three fields below) | linear: every frequency is
+  # (positions interpolated; Gemma 3's global layers)
+  rope_scaling: str = "llama3"
   rope_low_freq_factor: float = 1.0  # Llama-3 scaling: wavelengths above original_max_len / this are scaled
   rope_high_freq_factor: float = 4.0  # Llama-3 scaling: wavelengths below original_max_len / this are kept
   rope_original_max_len: int = 8192  # Llama-3 scaling: the context length the frequencies were trained for
@@ -57,6 +67,17 @@ class GPTConfig:
   qkv_bias: bool = False  # biases on the query, key and value projections even when use_bias is off (Qwen2/2.5)
   qk_norm: bool = False  # RMSNorm (scale only, over head_dim) on queries and keys before rotary positions (Qwen3)
   sliding_window: int = 0  # each query reads only the last W keys, itself included (Mistral); 0 = full causal
+  # With sliding_window: 0 = every layer slides; N ≥ 2 = layer i (from 0) is global (full causal) when (i + 1) % N
+  # == 0 and local (windowed) otherwise (Gemma 2: 2, Gemma 3: 6).
+  sliding_window_pattern: int = 0
+  # Rotary base of the local layers under sliding_window_pattern, which take no rope scaling; 0 = rope_theta
+  # (Gemma 3: 10,000 while the global layers use rope_theta 1,000,000 and a linear factor of 8).
+  rope_local_theta: float = 0.0
+  attention_scale_dim: int = 0  # attention logits are q·k / √this; 0 = head_dim (Gemma: query_pre_attn_scalar)
+  # > 0: attention logits become cap · tanh(logits / cap) before the mask (Gemma 2); attention_impl 'xla' then
+  # computes attention with the 'reference' einsums (jax.nn.dot_product_attention has no cap), 'cudnn' is refused
+  attention_softcap: float = 0.0
+  final_logit_softcap: float = 0.0  # > 0: output logits become cap · tanh(logits / cap) (Gemma 2)
   valid_vocab_size: int = 0  # 0 = all rows; else rows ≥ this are padding (for sharding) and masked out of the softmax
   # Mixture of experts (model/moe.py): the MLP of every moe_every-th layer becomes num_experts experts of the model's
   # MLP kind, each token sent to its moe_top_k most probable by a float32 router. 0 experts = a dense model.
@@ -78,6 +99,11 @@ class GPTConfig:
   def fused_qkv(self) -> bool:
     """Multi-head attention keeps one fused (D, 3, H, Dh) projection; grouped-query splits query and key_value."""
     return self.kv_heads == self.num_heads
+
+  @property
+  def gated_mlp(self) -> bool:
+    """The MLP has a gate projection beside its input one (swiglu, geglu): three matrices, not two."""
+    return self.mlp_activation != "gelu"
 
   @property
   def expert_d_ff(self) -> int:
@@ -127,6 +153,7 @@ class GPTConfig:
       raise ValueError(f"GPTConfig.remat_policy={self.remat_policy!r}: expected one of {REMAT_POLICIES}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"GPTConfig.attention_impl={self.attention_impl!r}: expected one of {ATTENTION_IMPLS}")
+    self._validate_gemma_options()  # before the backend check: a cudnn refusal for soft-capping holds on any backend
     if self.attention_impl == "cudnn" and jax.default_backend() != "gpu":
       raise ValueError(f"GPTConfig.attention_impl='cudnn' needs an NVIDIA GPU (backend is "
                        f"{jax.default_backend()}); use 'xla' (same jax.nn.dot_product_attention, XLA kernels)")
@@ -166,6 +193,31 @@ class GPTConfig:
       raise ValueError(f"GPTConfig.pipeline_microbatches={self.pipeline_microbatches} < num_stages="
                        f"{self.num_stages}: the interleaved schedule (pipeline_repeats={self.pipeline_repeats}) "
                        f"needs at least one microbatch per stage")
+
+  def _validate_gemma_options(self) -> None:
+    if self.rope_scaling not in ROPE_SCALINGS:
+      raise ValueError(f"GPTConfig.rope_scaling={self.rope_scaling!r}: expected one of {ROPE_SCALINGS}")
+    if self.sliding_window_pattern < 0 or self.sliding_window_pattern == 1:
+      raise ValueError(f"GPTConfig.sliding_window_pattern={self.sliding_window_pattern} must be 0 (every layer "
+                       f"slides) or ≥ 2 (every N-th layer global)")
+    if self.sliding_window_pattern and not self.sliding_window:
+      raise ValueError(f"GPTConfig.sliding_window_pattern={self.sliding_window_pattern} needs a sliding_window > 0")
+    if self.rope_local_theta < 0 or (self.rope_local_theta and not self.sliding_window_pattern):
+      raise ValueError(f"GPTConfig.rope_local_theta={self.rope_local_theta} needs sliding_window_pattern ≥ 2 (it is "
+                       f"the local layers' rotary base) and must be ≥ 0")
+    for key in ("attention_scale_dim", "attention_softcap", "final_logit_softcap"):
+      if getattr(self, key) < 0:
+        raise ValueError(f"GPTConfig.{key}={getattr(self, key)} must be ≥ 0 (0 = off)")
+    if self.attention_softcap and self.attention_impl == "cudnn":
+      raise ValueError(f"GPTConfig.attention_softcap={self.attention_softcap} is not supported by attention_impl="
+                       f"'cudnn' (cuDNN's flash attention has no logit soft-capping); use 'xla' or 'reference'")
+
+  def layer_is_local(self, layer):
+    """Whether layer `layer` (an int or a traced scalar) slides under sliding_window_pattern (a bool of its kind);
+    None when every layer attends alike (no pattern)."""
+    if not (self.sliding_window and self.sliding_window_pattern):
+      return None
+    return (layer + 1) % self.sliding_window_pattern != 0
 
   @property
   def _layers_key(self) -> str:

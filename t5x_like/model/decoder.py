@@ -5,6 +5,7 @@ encoding, key/value heads, biases and output head (see GPTConfig)."""
 
 import dataclasses
 import functools
+import math
 from typing import Callable
 
 import flax.linen as nn
@@ -15,7 +16,7 @@ from t5x_like.model import cpu_kernels as kernels
 from t5x_like.model import layers
 from t5x_like.model import pipeline_parallel
 from t5x_like.model import moe
-from t5x_like.model.blocks import DROPOUT_RNG, init_stacked_blocks, run_blocks, unit_module
+from t5x_like.model.blocks import DROPOUT_RNG, attention_masks, init_stacked_blocks, run_blocks, unit_module
 from t5x_like.model.config import GPTConfig  # re-exported: decoder.GPTConfig is the config most callers name
 from t5x_like.parallel import axis_names as ax
 
@@ -62,6 +63,8 @@ class GPT(nn.Module):
       blocks = nn.meta.unbox(self.get_variable("params", "blocks"))
     else:
       blocks = self.param("blocks", lambda r: init_stacked_blocks(cfg, r, cfg.num_layers))
+    if cfg.scale_embeddings:  # √d in float32 (Gemma's normalizer, in the embedding table's dtype)
+      x = x * jnp.float32(math.sqrt(cfg.d_model))
     x = layers.constrain(x.astype(cfg.compute_dtype), (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))  # (B, T, D)
     new_cache = moe_stats = None
     if cache is not None:
@@ -73,7 +76,7 @@ class GPT(nn.Module):
       x, moe_stats = pipeline_parallel.run_pipeline_blocks(cfg, blocks, x, segment_ids, positions)
     else:
       rng = self.make_rng(DROPOUT_RNG) if self.has_rng(DROPOUT_RNG) else None
-      mask = layers.causal_segment_mask(segment_ids, cfg.sliding_window)
+      mask = attention_masks(cfg, functools.partial(layers.causal_segment_mask, segment_ids))
       x, moe_stats = run_blocks(cfg, blocks, x, mask, positions, rng=rng)
     if moe_stats is not None and not self.is_initializing():  # kept when "intermediates" is mutable
       self.sow("intermediates", MOE_STATS, moe_stats)
@@ -94,19 +97,20 @@ class GPT(nn.Module):
     seg = jax.lax.dynamic_update_slice_in_dim(cache["segment_ids"], segment_ids, cache_index, axis=1)
     query_slots = cache_index + jnp.arange(x.shape[1])  # (T,)
     key_slots = jnp.arange(seg.shape[1])  # (S,)
-    # a sequence's tokens fill consecutive slots, so the sliding window counts slots
-    causal = layers.window_mask(query_slots, key_slots, self.config.sliding_window)  # (T, S)
-    mask = causal[None] & (seg[:, None, :] != 0)  # (B, T, S)
+    # a sequence's tokens fill consecutive slots, so the sliding window counts slots: (B, 1, T, S)
+    causal = lambda window: (layers.window_mask(query_slots, key_slots, window)[None]
+                             & (seg[:, None, :] != 0))[:, None]
+    mask = attention_masks(self.config, causal)
 
     def body(h, layer):
-      params, k_cache, v_cache = layer
-      h, (k_new, v_new), _ = unit.apply({"params": params}, h, mask[:, None], positions, (k_cache, v_cache),
-                                        cache_index)
+      params, k_cache, v_cache, index = layer
+      h, (k_new, v_new), _ = unit.apply({"params": params}, h, mask, positions, (k_cache, v_cache), cache_index,
+                                        index)
       return h, (k_new, v_new)
 
     by_unit = lambda c: c.reshape((c.shape[0] // n, n) + c.shape[1:]) if n > 1 else c  # (L/N, N, ...) per unit
-    x, (k, v) = jax.lax.scan(body, x, (blocks, by_unit(cache["k"]), by_unit(cache["v"])),
-                             unroll=self.config.layer_unroll)
+    x, (k, v) = jax.lax.scan(body, x, (blocks, by_unit(cache["k"]), by_unit(cache["v"]),
+                                       jnp.arange(self.config.num_units)), unroll=self.config.layer_unroll)
     by_layer = lambda c: c.reshape((-1,) + c.shape[2:]) if n > 1 else c
     return x, {"k": by_layer(k), "v": by_layer(v), "segment_ids": seg}
 
@@ -118,8 +122,8 @@ def logits_projection(config: GPTConfig) -> Callable:
 
 def project_logits(params, hidden: jax.Array, config: GPTConfig) -> jax.Array:
   """Final hidden states (B, T, D) → float32 logits (B, T, V) with the model's output projection
-  (the tied token embedding, or the untied `lm_head`), vocabulary-sharded like the full model's.
-  Padding rows (≥ valid_vocab_size) get the float32 minimum, so the softmax never picks them."""
+  (the tied token embedding, or the untied `lm_head`), vocabulary-sharded like the full model's, soft-capped
+  with final_logit_softcap. Padding rows (≥ valid_vocab_size) get the float32 minimum, so the softmax never picks them."""
   dtype = config.compute_dtype
   if config.tie_embeddings:
     logits = kernels.contract_trailing(hidden.astype(dtype), params["token_embedding"].astype(dtype), 1, (1,),
@@ -130,6 +134,8 @@ def project_logits(params, hidden: jax.Array, config: GPTConfig) -> jax.Array:
     if "bias" in head:
       logits = logits + head["bias"].astype(dtype)
     logits = logits.astype(jnp.float32)
+  if config.final_logit_softcap:
+    logits = config.final_logit_softcap * jnp.tanh(logits / config.final_logit_softcap)
   if config.valid_vocab_size and config.valid_vocab_size < config.vocab_size:
     valid = jnp.arange(config.vocab_size) < config.valid_vocab_size
     logits = jnp.where(valid, logits, jnp.finfo(jnp.float32).min)

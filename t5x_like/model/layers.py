@@ -1,5 +1,6 @@
 """Flax building blocks of the GPT decoder, annotated with logical axis names only."""
 
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -49,14 +50,19 @@ class LayerNorm(nn.Module):
 
 class RMSNorm(nn.Module):
   """Root-mean-square norm (no centring, no bias) computed in float32, returned in the compute dtype; `axis` is
-  the logical name of the normalised axis (the scale's)."""
+  the logical name of the normalised axis (the scale's). plus_one (Gemma): the stored scale w starts at 0 and
+  multiplies as 1 + w."""
   dtype: Dtype = jnp.bfloat16
   epsilon: float = 1e-5
   axis: str = ax.NORM
+  plus_one: bool = False
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)), (x.shape[-1],))
+    init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+    scale = self.param("scale", nn.with_logical_partitioning(init, (self.axis,)), (x.shape[-1],))
+    if self.plus_one:
+      scale = 1.0 + scale.astype(jnp.float32)
     x32, axes = kernels.windowed(x.astype(jnp.float32))  # x32 (..., D) seen as (..., D/32, 32) on XLA:CPU
     y = (x32 * jax.lax.rsqrt(jnp.square(x32).mean(axes, keepdims=True) + self.epsilon)).reshape(x.shape)
     return kernels.scale_shift(y, scale, None).astype(self.dtype)
@@ -64,17 +70,31 @@ class RMSNorm(nn.Module):
 
 def norm_layer(kind: str):
   """The norm class a GPTConfig.norm names."""
-  return {"layernorm": LayerNorm, "rmsnorm": RMSNorm}[kind]
+  return {"layernorm": LayerNorm, "rmsnorm": RMSNorm,
+          "rmsnorm_plus_one": functools.partial(RMSNorm, plus_one=True)}[kind]
+
+
+def mlp_hidden(activation: str, project: Callable) -> jax.Array:
+  """The MLP's hidden activations for GPTConfig.mlp_activation, `project(name)` giving the input projection `name`:
+  gelu(mlp_in); swiglu silu(mlp_gate) · mlp_in; geglu gelu(mlp_gate) · mlp_in (GELU: the tanh approximation)."""
+  if activation == "gelu":
+    return nn.gelu(project("mlp_in"))
+  gate = nn.silu if activation == "swiglu" else nn.gelu
+  return gate(project("mlp_gate")) * project("mlp_in")
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling_factor: float = 1.0, low_freq_factor: float = 1.0,
-                     high_freq_factor: float = 4.0, original_max_len: int = 8192) -> np.ndarray:
-  """Rotary inverse frequencies (head_dim/2,) float64, with Llama-3's long-wavelength scaling when factor > 1:
-  wavelengths longer than original_max_len/low_freq_factor are divided by the factor, those shorter than
-  original_max_len/high_freq_factor are kept, and those between are interpolated smoothly."""
+                     high_freq_factor: float = 4.0, original_max_len: int = 8192, scaling: str = "llama3"
+                     ) -> np.ndarray:
+  """Rotary inverse frequencies (head_dim/2,) float64, scaled when scaling_factor > 1: `linear` divides every
+  frequency by the factor; `llama3` (Llama-3's long-wavelength scaling) divides wavelengths longer than
+  original_max_len/low_freq_factor, keeps those shorter than original_max_len/high_freq_factor, and interpolates
+  those between smoothly."""
   inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
   if scaling_factor == 1.0:
     return inv_freq
+  if scaling == "linear":
+    return inv_freq / scaling_factor
   wavelen = 2 * np.pi / inv_freq
   smooth = (original_max_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
   interpolated = (1 - smooth) * inv_freq / scaling_factor + smooth * inv_freq
@@ -146,12 +166,16 @@ def _heads_first(q, k, v):
   return q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
 
-def _attend(q, k, v, mask):
-  """Softmax attention (float32 softmax) on _heads_first operands; mask (B, 1, L, S). Returns q's layout."""
+def _attend(q, k, v, mask, scale_dim: int = 0, softcap: float = 0.0):
+  """Softmax attention (float32 softmax) on _heads_first operands; mask (B, 1, L, S). Logits are q·k / √scale_dim
+  (0: the head width), soft-capped to (−softcap, softcap) by softcap · tanh(· / softcap) when softcap > 0. Returns
+  q's layout."""
   grouped = q.ndim == 5
   logits = jnp.einsum("bkgqd,bksd->bkgqs" if grouped else "bhqd,bhsd->bhqs", q, k,
                       preferred_element_type=jnp.float32)
-  logits = logits / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
+  logits = logits / jnp.sqrt(scale_dim or q.shape[-1]).astype(jnp.float32)
+  if softcap:
+    logits = softcap * jnp.tanh(logits / softcap)
   logits = jnp.where(mask[:, :, None] if grouped else mask, logits, jnp.finfo(jnp.float32).min)
   probs = kernels.softmax_last(logits).astype(v.dtype)
   return jnp.einsum("bkgqs,bksd->bkgqd" if grouped else "bhqs,bhsd->bhqd", probs, v)
@@ -164,10 +188,10 @@ def _heads_last(out):
   return jnp.swapaxes(out, 1, 2)
 
 
-def reference_attention(q, k, v, mask):
+def reference_attention(q, k, v, mask, scale_dim: int = 0, softcap: float = 0.0):
   """Plain softmax attention. q: (B, L, H, Dh); k, v: (B, S, K, Dh) with K dividing H (grouped-query: query head h
-  reads key/value head h // (H/K)); mask: (B, 1, L, S) bool. Softmax in float32."""
-  return _heads_last(_attend(*_heads_first(q, k, v), mask))
+  reads key/value head h // (H/K)); mask: (B, 1, L, S) bool. Softmax in float32; scale_dim, softcap: see _attend."""
+  return _heads_last(_attend(*_heads_first(q, k, v), mask, scale_dim, softcap))
 
 
 def causal_block_size(length: int) -> int:
@@ -181,7 +205,7 @@ def causal_blocks(length: int, block: int = 0) -> list:
   return [(start, min(start + block, length)) for start in range(0, length, block)]
 
 
-def causal_attention(q, k, v, mask, block: int = 0, window: int = 0):
+def causal_attention(q, k, v, mask, block: int = 0, window: int = 0, scale_dim: int = 0, softcap: float = 0.0):
   """reference_attention for a causal mask (query i never reads a key after position i; q and k the same length),
   computed by blocks of `block` query rows (default causal_block_size), each against only the keys up to its
   last row. Equal to reference_attention(q, k, v, mask); it skips the masked upper triangle, 3/8 to 7/16 of the
@@ -189,12 +213,12 @@ def causal_attention(q, k, v, mask, block: int = 0, window: int = 0):
   (padding) gets a uniform softmax over the keys up to its block's end instead of all keys; such outputs are never
   read. With a sliding `window` W (the mask's), a block also skips the keys more than W − 1 before its first row.
   When `length` is split over devices (context parallelism) slicing it would reshuffle the shards, so the full
-  product is used."""
+  product is used. scale_dim, softcap: see _attend."""
   blocks = causal_blocks(q.shape[1], block)
   if len(blocks) == 1 or kernels.length_is_split():
-    return reference_attention(q, k, v, mask)
+    return reference_attention(q, k, v, mask, scale_dim, softcap)
   q, k, v = _heads_first(q, k, v)
   first = lambda start: max(0, start - window + 1) if window else 0  # the block's first key
   outs = [_attend(q[..., start:end, :], k[:, :, first(start):end], v[:, :, first(start):end],
-                  mask[:, :, start:end, first(start):end]) for start, end in blocks]
+                  mask[:, :, start:end, first(start):end], scale_dim, softcap) for start, end in blocks]
   return _heads_last(jnp.concatenate(outs, axis=-2))

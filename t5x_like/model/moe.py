@@ -133,10 +133,7 @@ class MoeMlp(nn.Module):
     expert_in = layers.constrain(expert_in, _DISPATCHED + (ax.ACT_EMBED,))  # (E, G, C, D): all-to-all
     dense = lambda i, o, axes, bias_axes, name: ExpertDense(i, o, axes, bias_axes, dtype, cfg.use_bias, name=name)
     mlp_in = lambda name: dense(d, f, (ax.EXPERT, ax.EMBED, ax.MLP), (ax.EXPERT, ax.MLP), name)(expert_in)
-    if cfg.mlp_activation == "swiglu":
-      hidden = nn.silu(mlp_in("mlp_gate")) * mlp_in("mlp_in")
-    else:
-      hidden = nn.gelu(mlp_in("mlp_in"))
+    hidden = layers.mlp_hidden(cfg.mlp_activation, mlp_in)
     hidden = layers.constrain(hidden, _DISPATCHED + (ax.ACT_MLP,))  # (E, G, C, F)
     out = dense(f, d, (ax.EXPERT, ax.MLP, ax.EMBED), (ax.EXPERT, ax.NORM), "mlp_out")(hidden)
     out = layers.constrain(out, _DISPATCHED + (ax.ACT_EMBED,))  # (E, G, C, D)

@@ -122,11 +122,14 @@ def run_pipeline_blocks(config: GPTConfig, stacked_params, x, segment_ids, posit
   segments, pos = _split(segment_ids, m), _split(positions, m)  # (M, mb, T)
   first = lambda new, old: jnp.where((stages == 0).reshape((p,) + (1,) * (old.ndim - 1)), new, old)
 
-  def run_stage(stage_weights, repeat, h, seg, stage_pos, stats):  # one stage: one chunk on one microbatch
+  chunk = config.num_units // (p * v)  # stacked elements per chunk
+
+  def run_stage(stage_weights, stage, repeat, h, seg, stage_pos, stats):  # one stage: one chunk on one microbatch
     if v > 1:  # this iteration's chunk; named so the checkpoint below recomputes the slice instead of saving it
       stage_weights = jax.tree.map(lambda w: checkpoint_name(w[repeat], _CHUNK), stage_weights)
-    mask = layers.causal_segment_mask(seg, config.sliding_window)
-    return blocks_lib.run_blocks(config, stage_weights, h, mask, stage_pos, stats)
+    mask = blocks_lib.attention_masks(config, functools.partial(layers.causal_segment_mask, seg))
+    return blocks_lib.run_blocks(config, stage_weights, h, mask, stage_pos, stats,
+                                 first_unit=(repeat * p + stage) * chunk)
 
   if v > 1:  # without this, the backward would keep a copy of the chunk's weights for every iteration
     run_stage = jax.checkpoint(run_stage, policy=jax.checkpoint_policies.save_anything_except_these_names(_CHUNK),
@@ -144,7 +147,7 @@ def run_pipeline_blocks(config: GPTConfig, stacked_params, x, segment_ids, posit
     stage_pos = layers.constrain(pos[micro], (ax.STAGE, ax.BATCH, ax.LENGTH))
     if state_stats is not None:  # statistics travel with their microbatch, like its activations
       state_stats = first(loop_stats[i % m][None], state_stats)
-    out, stats = run_stages(params, repeat, state, seg, stage_pos, state_stats)
+    out, stats = run_stages(params, stages, repeat, state, seg, stage_pos, state_stats)
     out = layers.constrain(out, (ax.STAGE,) + _ACT)
     done = i - (p - 1)  # the microbatch pass leaving the last stage (none while done < 0)
     keep = lambda buffer, new: buffer.at[done % m].set(jnp.where(done >= 0, new, buffer[done % m]))

@@ -25,9 +25,9 @@ from t5x_like.model import moe
 
 
 def expert_params(cfg: model_lib.GPTConfig) -> int:
-  """Parameters of one expert: its two (GELU) or three (SwiGLU) matrices and their biases."""
+  """Parameters of one expert: its two (GELU) or three (gated: SwiGLU, GeGLU) matrices and their biases."""
   d, f = cfg.d_model, cfg.expert_d_ff
-  mats = 3 if cfg.mlp_activation == "swiglu" else 2
+  mats = 3 if cfg.gated_mlp else 2
   biases = ((mats - 1) * f + d) if cfg.use_bias else 0
   return mats * d * f + biases
 
@@ -59,7 +59,7 @@ def _projection_split(cfg: model_lib.GPTConfig) -> tuple:
   (query + keys/values, attention output, MLP input side (+ router), MLP output); biases and norms left out."""
   d, inner = cfg.d_model, cfg.num_heads * cfg.head_dim  # inner = d unless attention_head_dim sets another width
   qkv = d * inner + 2 * d * cfg.kv_heads * cfg.head_dim
-  ins = 2 if cfg.mlp_activation == "swiglu" else 1
+  ins = 2 if cfg.gated_mlp else 1
   dense_in, dense_out = ins * d * cfg.d_ff, d * cfg.d_ff
   if not cfg.num_experts:
     return qkv, inner * d, dense_in, dense_out
@@ -81,7 +81,7 @@ def _expert_matmul_flops(cfg: model_lib.GPTConfig) -> float:
   """Forward FLOPs per token of the top_k experts' matmuls, the mean over layers."""
   if not cfg.num_experts:
     return 0.0
-  ins = 2 if cfg.mlp_activation == "swiglu" else 1
+  ins = 2 if cfg.gated_mlp else 1
   return 2.0 * cfg.num_moe_layers / cfg.num_layers * cfg.moe_top_k * (ins + 1) * cfg.d_model * cfg.expert_d_ff
 
 
@@ -93,19 +93,24 @@ def moe_dispatch_flops_per_token(cfg: model_lib.GPTConfig, seq_len: int) -> floa
     return 0.0
   group = moe.routing_group_size(cfg, seq_len)
   slots = cfg.num_experts * moe.capacity(cfg, group) / group  # expert buffer slots per token
-  ins = 2 if cfg.mlp_activation == "swiglu" else 1
+  ins = 2 if cfg.gated_mlp else 1
   per_slot = 2.0 * (ins + 1) * cfg.d_model * cfg.expert_d_ff
   padding = max(0.0, slots - cfg.moe_top_k) * per_slot
   return cfg.num_moe_layers * (2 * 2.0 * slots * cfg.d_model + padding)
 
 
 def attended_keys(cfg: model_lib.GPTConfig, seq_len: int, causal_halved: bool) -> float:
-  """Keys each query is counted against: T (PaLM), T/2 with `causal_halved`; with a sliding window W < T, W, or
-  halved the mean of min(i + 1, W) over the T queries, ≈ W − W²/(2T) (equal to T/2 at W = T)."""
-  window = cfg.sliding_window
-  if not window or window >= seq_len:
-    return seq_len / 2 if causal_halved else float(seq_len)
-  return window - window * window / (2.0 * seq_len) if causal_halved else float(window)
+  """Keys each query is counted against, the mean over the layers: T (PaLM), T/2 with `causal_halved`; in a layer
+  with a sliding window W < T, W, or halved the mean of min(i + 1, W) over the T queries, ≈ W − W²/(2T) (equal to
+  T/2 at W = T). Under sliding_window_pattern only the local layers have the window."""
+  def keys(window):
+    if not window or window >= seq_len:
+      return seq_len / 2 if causal_halved else float(seq_len)
+    return window - window * window / (2.0 * seq_len) if causal_halved else float(window)
+  if cfg.layer_is_local(0) is None:
+    return keys(cfg.sliding_window)
+  local = sum(bool(cfg.layer_is_local(i)) for i in range(cfg.num_layers))
+  return (local * keys(cfg.sliding_window) + (cfg.num_layers - local) * keys(0)) / cfg.num_layers
 
 
 def _attention_flops(cfg: model_lib.GPTConfig, seq_len: int, causal_halved: bool) -> float:

@@ -53,10 +53,11 @@ REFERENCE_ATTENTION_WORKING = 3.11
 def score_elements(cfg, seq_len: int, sequence: int) -> float:
   """Attention scores one (sequence, head) holds per device for a layer: (T/s) × T with the length split, else
   what layers.causal_attention computes by blocks of query rows, each against the keys up to its last row (with a
-  sliding window W, from W − 1 keys before its first row)."""
+  sliding window W, from W − 1 keys before its first row; under sliding_window_pattern the global layers hold the
+  most, and blocks skip only what every layer skips)."""
   if sequence > 1 or cfg.attention_impl != "reference":
     return seq_len / sequence * seq_len
-  window = cfg.sliding_window
+  window = 0 if cfg.sliding_window_pattern else cfg.sliding_window
   first = lambda start: max(0, start - window + 1) if window else 0
   return sum((end - start) * (end - first(start)) for start, end in layers.causal_blocks(seq_len))
 
