@@ -30,14 +30,16 @@ from t5x_like.data import chat_synth  # pylint: disable=g-import-not-at-top,wron
 
 # The chat template's role markers are tokens a base pre-trained on plain text never saw: their embedding
 # rows are untrained and its output head learnt never to predict them (`<|end|>`, which ends every answer).
-# The "+head" variants also train those (as PEFT's modules_to_save does for added tokens): LoRA adapters on
-# the embedding table and lm_head too, or the attention layers plus both tables.
+# LoRA trains those rows by default (lora.LoraConfig.marker_rows); "lora-no-markers" is LoRA without them.
+# The "+head" variants also train the whole tables (as PEFT's modules_to_save does for added tokens): LoRA
+# adapters on the embedding table and lm_head too, or the attention layers plus both tables.
 LORA_WITH_TABLES = ("--gin.lora.LoraConfig.targets='blocks/attn/(qkv|query|key_value|out)/kernel|"
                     "blocks/mlp_(in|gate|out)/kernel|lm_head/kernel|token_embedding'")
 # name → (train gin bindings, learning rate); LoRA adapters start at zero effect and want a larger step.
 VARIANTS = {
     "full": ([], 1e-3),
     "lora": (["--gin.lora.LoraConfig.rank=8"], 1e-2),
+    "lora-no-markers": (["--gin.lora.LoraConfig.rank=8", "--gin.lora.LoraConfig.marker_rows=False"], 1e-2),
     "attention": (["--gin.TRAINABLE='attention'"], 1e-3),
     "lora+head": (["--gin.lora.LoraConfig.rank=8", LORA_WITH_TABLES], 1e-2),
     "attention+head": (["--gin.TRAINABLE='blocks/attn/.*|lm_head/.*|token_embedding'"], 1e-3),

@@ -158,7 +158,8 @@ def merged_params(path: str, metadata: dict) -> dict:
   if not info.get("base"):
     return params
   _, base = checkpointing.restore_params(info["base"])
-  return jax.tree.map(np.asarray, lora.merge(base, params, info["alpha"] / info["rank"]))
+  return jax.tree.map(np.asarray, lora.merge(base, params, info["alpha"] / info["rank"],
+                                            marker_ids=tuple(info.get("marker_ids") or ())))
 
 
 def param_shapes(config: decoder.GPTConfig) -> dict:

@@ -83,9 +83,13 @@ class FrozenModels:
       if resumed and ckpt.warm_start_from and _newest(ckpt.warm_start_from) != pinned:
         logging.warning("resuming a LoRA run over the base its checkpoints name (%s), not INITIAL_CHECKPOINT_PATH's "
                         "newest step (%s)", pinned, _newest(ckpt.warm_start_from))
-      origin["lora"] = {"base": pinned, "rank": self.lora.rank, "alpha": self.lora.alpha, "targets": self.lora.targets}
+      origin["lora"] = {"base": pinned, "rank": self.lora.rank, "alpha": self.lora.alpha, "targets": self.lora.targets,
+                        "marker_ids": list(self.objective.marker_ids)}
       logging.info("LoRA rank %d (alpha %g) on %d kernels over the frozen base %s", self.lora.rank, self.lora.alpha,
                    len(self.objective.kernel_names), pinned)
+      if self.objective.marker_ids:
+        logging.info("LoRA also trains the embedding/output rows of the chat template's marker tokens %s "
+                     "(LoraConfig.marker_rows)", list(self.objective.marker_ids))
     for spec in self.frozen_specs:
       origin[spec.record] = self.load_frozen_model(spec.name, saved.get(spec.record) if resumed else None)
       logging.info("frozen %s %s", spec.what, origin[spec.record])

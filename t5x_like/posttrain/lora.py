@@ -26,6 +26,13 @@ attention `out`, `mlp_out`) contracts all its other axes; any other (qkv, query,
 mlp_gate, lm_head, an embedding table) contracts its first one.
 
 Adapter trees mirror the base's paths: {'blocks': {'attn': {'qkv': {'kernel': {'lora_a': A, 'lora_b': B}}}}}.
+
+Marker rows (LoraConfig.marker_rows, as PEFT's trainable_token_indices): on chat or preference data the rows of
+the chat template's marker tokens in the token embedding (and in an untied lm_head) train too, as deltas beside
+the adapters ({'token_embedding': {'marker_rows': (n, D)}, 'lm_head': {'kernel': {'marker_rows': (D, n)}}}, zero
+at the start), added to those rows only. A base pre-trained on plain text never saw the markers: without this a
+LoRA fine-tune can neither read them nor end an answer with `<|end|>` (docs/finetune.md). The rows' token ids
+are the run's (`marker_ids`, recorded in the checkpoint's `lora` metadata) and merge with the adapters.
 """
 
 import dataclasses
@@ -52,6 +59,8 @@ from t5x_like.training.trainable import path_name
 
 BASE = "lora_base"  # the frozen base model's key in the objective's `frozen`
 A, B = "lora_a", "lora_b"  # adapter leaf names under their kernel's path
+MARKERS = "marker_rows"  # the marker rows' delta under its table's path (token_embedding, lm_head/kernel)
+MARKER_TABLES = (("token_embedding",), ("lm_head", "kernel"))  # tables with a row (or column) per token
 
 Params = Dict[str, Any]
 
@@ -68,6 +77,9 @@ class LoraConfig:
   alpha: float = 16.0  # the adapters' update is scaled by alpha / rank
   dropout: float = 0.0  # dropout on the adapters' input (the decoder blocks' projections), as in PEFT's lora_dropout
   targets: str = LORA_TARGETS  # regex (re.fullmatch) over parameter paths of the kernels that get adapters
+  # On chat / preference data, also train the chat template's marker-token rows of the token embedding and an
+  # untied lm_head (deltas stored with the adapters, merged on export; see the module docstring).
+  marker_rows: bool = True
 
   def __post_init__(self):
     if self.rank < 0:
@@ -157,9 +169,63 @@ def init_adapters(rng: jax.Array, kernels: Mapping[Tuple[str, ...], Any], config
   return flax.traverse_util.unflatten_dict(out)
 
 
+def marker_tables(boxed_params: Params) -> Dict[Tuple[str, ...], Any]:
+  """{table path: its boxed abstract value} of the model's tables with a row per token (MARKER_TABLES)."""
+  flat = flax.traverse_util.flatten_dict(boxed_params)
+  return {path: flat[path] for path in MARKER_TABLES if path in flat}
+
+
+def _vocab_axis(names: tuple, path: Tuple[str, ...]) -> int:
+  if ax.VOCAB not in names:
+    raise ValueError(f"'{path_name(path)}' has no vocabulary axis (logical axes {names}): no marker rows")
+  return names.index(ax.VOCAB)
+
+
+def init_marker_rows(tables: Mapping[Tuple[str, ...], Any], count: int) -> Params:
+  """Boxed zero deltas of `count` marker rows for each table (from `marker_tables`): the vocabulary axis
+  becomes `count` (unsharded), the other axes keep their names."""
+  out = {}
+  for path, leaf in tables.items():
+    names, shape = _names(leaf), tuple((leaf.value if isinstance(leaf, nn.LogicallyPartitioned) else leaf).shape)
+    axis = _vocab_axis(names, path)
+    out[path + (MARKERS,)] = nn.LogicallyPartitioned(
+        jnp.zeros(shape[:axis] + (count,) + shape[axis + 1:], jnp.float32), names[:axis] + (None,) + names[axis + 1:])
+  return flax.traverse_util.unflatten_dict(out)
+
+
+def marker_deltas(adapters: Params) -> Dict[Tuple[str, ...], Any]:
+  """{table path: marker-row delta} of an adapter tree."""
+  return {path[:-1]: leaf for path, leaf in flax.traverse_util.flatten_dict(adapters or {}).items()
+          if path[-1] == MARKERS}
+
+
+def add_marker_rows(params: Params, adapters: Params, marker_ids: tuple) -> Params:
+  """`params` with each marker delta added to its table's rows (columns of lm_head/kernel) `marker_ids`.
+
+  Raises:
+    ValueError: deltas without ids, a count that differs from the ids', or a table the model lacks.
+  """
+  deltas = marker_deltas(adapters)
+  if not deltas:
+    return params
+  flat = flax.traverse_util.flatten_dict(params)
+  ids = jnp.asarray(marker_ids, jnp.int32)
+  for path, delta in deltas.items():
+    if path not in flat:
+      raise ValueError(f"marker rows for '{path_name(path)}', which the base model does not have")
+    w = flat[path]
+    axis = 1 if path[0] == "lm_head" else 0
+    if delta.shape[axis] != len(marker_ids):
+      raise ValueError(f"'{path_name(path)}': {delta.shape[axis]} marker rows stored for {len(marker_ids)} marker "
+                       f"token ids {tuple(marker_ids)} (LoRA metadata lora.marker_ids)")
+    index = (slice(None),) * axis + (ids,)
+    flat[path] = jnp.asarray(w).at[index].add(jnp.asarray(delta, w.dtype))
+  return flax.traverse_util.unflatten_dict(flat)
+
+
 def adapter_pairs(adapters: Params) -> Dict[Tuple[str, ...], Tuple[Any, Any]]:
-  """{kernel path: (A, B)} of an adapter tree."""
-  flat = flax.traverse_util.flatten_dict(adapters)
+  """{kernel path: (A, B)} of an adapter tree (marker rows left out: marker_deltas)."""
+  flat = {path: leaf for path, leaf in flax.traverse_util.flatten_dict(adapters).items() if path[-1] != MARKERS}
   pairs = {}
   for path in flat:
     kernel = path[:-1]
@@ -202,8 +268,8 @@ def delta(a, b, kernel_shape: tuple, path: str = "") -> jax.Array:
 
 
 def merge(base: Params, adapters: Params, scale: float,
-          kernel_names: Optional[Mapping[str, tuple]] = None) -> Params:
-  """The base parameters with W + scale·A·B on every adapted kernel.
+          kernel_names: Optional[Mapping[str, tuple]] = None, marker_ids: tuple = ()) -> Params:
+  """The base parameters with W + scale·A·B on every adapted kernel and the marker-row deltas added.
 
   Args:
     base: the base model's (unboxed) parameters.
@@ -211,11 +277,12 @@ def merge(base: Params, adapters: Params, scale: float,
     scale: alpha / rank.
     kernel_names: {kernel path name: logical axis names}: under jit, each update is constrained to its
       kernel's layout (needs the mesh and axis rules in context). None = no constraint.
+    marker_ids: the token ids of the adapters' marker rows (`init_marker_rows`), if it has any.
 
   Raises:
     ValueError: an adapter names a kernel the base lacks, or does not fit its shape.
   """
-  flat = flax.traverse_util.flatten_dict(base)
+  flat = flax.traverse_util.flatten_dict(add_marker_rows(base, adapters, marker_ids))
   for path, (a, b) in (adapter_pairs(adapters) if adapters else {}).items():
     if path not in flat:
       raise ValueError(f"LoRA adapters for '{path_name(path)}', which the base model does not have")
@@ -237,15 +304,17 @@ def runs_in_model(path: Tuple[str, ...]) -> bool:
 
 
 def attach(base: Params, adapters: Params, scale: float,
-           kernel_names: Optional[Mapping[str, tuple]] = None) -> Params:
+           kernel_names: Optional[Mapping[str, tuple]] = None, marker_ids: tuple = ()) -> Params:
   """The base parameters with each block projection's adapters beside its kernel (`lora_a`, `lora_b` × scale),
-  for the model to apply; other targets (embedding tables, lm_head) are merged into their weights.
+  for the model to apply; other targets (embedding tables, lm_head) and the marker rows are merged into their
+  weights.
 
   Raises:
     ValueError: an adapter names a kernel the base lacks, or does not fit its shape.
   """
   pairs = adapter_pairs(adapters)
-  merged = merge(base, _subtree(adapters, [p for p in pairs if not runs_in_model(p)]), scale, kernel_names)
+  merged = merge(add_marker_rows(base, adapters, marker_ids),
+                 _subtree(adapters, [p for p in pairs if not runs_in_model(p)]), scale, kernel_names)
   flat = flax.traverse_util.flatten_dict(merged)
   for path, (a, b) in pairs.items():
     if not runs_in_model(path):
@@ -291,7 +360,8 @@ def validate(config: LoraConfig, model_config: GPTConfig) -> None:
 
 def _subtree(adapters: Params, kernels) -> Params:
   flat = flax.traverse_util.flatten_dict(adapters)
-  return flax.traverse_util.unflatten_dict({k: v for k, v in flat.items() if k[:-1] in set(kernels)})
+  return flax.traverse_util.unflatten_dict({k: v for k, v in flat.items()
+                                            if k[:-1] in set(kernels) and k[-1] != MARKERS})
 
 
 def dropout_key(batch) -> jax.Array:
@@ -310,11 +380,13 @@ class LoraObjective:
     scale: alpha / rank.
     kernel_names: {kernel path name: logical axis names} of the adapted kernels (layout of a merge).
     dropout: dropout rate on the adapters' input (block projections only).
+    marker_ids: the token ids of the marker rows the adapters carry (LoraConfig.marker_rows), or ().
   """
   inner: Any
   scale: float
   kernel_names: Mapping[str, tuple]
   dropout: float = 0.0
+  marker_ids: tuple = ()
 
   @property
   def features(self) -> tuple:
@@ -324,7 +396,7 @@ class LoraObjective:
     others = {name: tree for name, tree in frozen.items() if name != BASE}
     if BASE not in frozen:
       raise ValueError(f"the LoRA objective needs the base model's parameters as frozen['{BASE}']")
-    params = attach(frozen[BASE], adapters, self.scale, self.kernel_names)
+    params = attach(frozen[BASE], adapters, self.scale, self.kernel_names, self.marker_ids)
     inner = self.inner
     if self.dropout:
       inner = dataclasses.replace(inner, apply_fn=functools.partial(inner.apply_fn,
@@ -333,14 +405,28 @@ class LoraObjective:
       return inner.loss(params, batch, others)
 
 
-def objective(inner, boxed_params: Params, config: LoraConfig) -> LoraObjective:
-  """`inner` wrapped for the adapters of `config.targets` over a base with these boxed parameters."""
+def objective(inner, boxed_params: Params, config: LoraConfig, marker_ids: tuple = ()) -> LoraObjective:
+  """`inner` wrapped for the adapters of `config.targets` (and the rows of `marker_ids`) over a base with these
+  boxed parameters."""
   kernels = target_kernels(boxed_params, config.targets)
   if config.dropout and not hasattr(inner, "apply_fn"):
     raise ValueError(f"LoraConfig.dropout={config.dropout} needs an objective that runs the model through "
                      f"`apply_fn`; {type(inner).__name__} does not")
-  return LoraObjective(inner=inner, scale=config.scale, dropout=config.dropout,
+  return LoraObjective(inner=inner, scale=config.scale, dropout=config.dropout, marker_ids=tuple(marker_ids),
                        kernel_names={path_name(p): _names(leaf) for p, leaf in kernels.items()})
+
+
+def init_run_adapters(rng: jax.Array, boxed_params: Params, config: LoraConfig, marker_ids: tuple = ()) -> Params:
+  """A run's boxed adapters: `init_adapters` on config.targets, plus zero marker rows for `marker_ids`."""
+  adapters = init_adapters(rng, target_kernels(boxed_params, config.targets), config)
+  if marker_ids:
+    adapters = _merge_trees(adapters, init_marker_rows(marker_tables(boxed_params), len(marker_ids)))
+  return adapters
+
+
+def _merge_trees(a: Params, b: Params) -> Params:
+  return flax.traverse_util.unflatten_dict({**flax.traverse_util.flatten_dict(a),
+                                            **flax.traverse_util.flatten_dict(b)})
 
 
 def count(params: Params) -> int:
@@ -367,7 +453,8 @@ def merge_checkpoint(model_dir: str, output_dir: str, step: Optional[int] = None
     raise ValueError(f"{path} is not a LoRA run's checkpoint (its metadata has no 'lora.base' entry)")
   _, adapters = checkpointing.restore_params(path)
   _, base = checkpointing.restore_params(info["base"])
-  merged = jax.tree.map(np.asarray, merge(base, adapters, info["alpha"] / info["rank"]))
+  merged = jax.tree.map(np.asarray, merge(base, adapters, info["alpha"] / info["rank"],
+                                          marker_ids=tuple(info.get("marker_ids") or ())))
   written = checkpointing.save_params(output_dir, merged, 0, {
       "merged_from": path, "step": int(found), "merged_lora": info, "gin_config": meta.get("gin_config", ""),
       "code_version": checkpointing.code_version()})

@@ -14,6 +14,7 @@ from typing import Optional
 
 import jax
 
+from t5x_like.data import chat
 from t5x_like.data import input_pipeline
 from t5x_like.data import mixture as mixture_lib
 from t5x_like.model import decoder as model_lib
@@ -65,10 +66,12 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     self.lora = config.lora if config.use_lora else None
     self.lora_base = None  # under LoRA: the base's checkpoints/<step> directory, once loaded
     self.params_fn = None  # rng → the state's boxed parameters when they are not the model's (LoRA adapters)
+    self.marker_ids = ()  # under LoRA on chat data: the chat template's marker tokens, whose rows train too
     if self.lora:
-      kernels = lora_lib.target_kernels(self.boxed_params, self.lora.targets)
-      self.objective = lora_lib.objective(self.model_objective, self.boxed_params, self.lora)
-      self.params_fn = functools.partial(lora_lib.init_adapters, kernels=kernels, config=self.lora)
+      self.marker_ids = self._marker_ids()
+      self.objective = lora_lib.objective(self.model_objective, self.boxed_params, self.lora, self.marker_ids)
+      self.params_fn = functools.partial(lora_lib.init_run_adapters, boxed_params=self.boxed_params,
+                                         config=self.lora, marker_ids=self.marker_ids)
       self.frozen_shardings[lora_lib.BASE] = self.model_shardings
     self.frozen_specs = tuple(recipe.frozen_models(self))  # a reference, a teacher (posttrain/frozen_models.py)
     for spec in self.frozen_specs:
@@ -80,6 +83,16 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     self.trainable_paths = trainable_lib.trainable_paths(self.abstract_state.params, config.trainable_regex)
     if config.offload_optimizer:
       self.state_shardings = offload.offload_shardings(self.state_shardings)
+
+  def _marker_ids(self) -> tuple:
+    """The token ids of the chat template's markers when the data is chat or preference data (its manifest
+    records a template) and LoraConfig.marker_rows is on; else ()."""
+    template = (self.manifest or {}).get("chat_template")
+    if not self.lora.marker_rows or template is None:
+      return ()
+    tokenizer = self.load_tokenizer()
+    ids = {chat.token_id(tokenizer, piece) for piece in chat.ChatTemplate(**template).markers().values()}
+    return tuple(sorted(i for i in ids if i is not None))
 
   @property
   def state_holds_model_params(self) -> bool:
@@ -113,6 +126,8 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     if self.lora:
       report["memory/frozen_base_bytes_per_device"] = train_state_lib.bytes_per_device(
           partitioning.unbox(self.boxed_params), self.model_shardings)
+      report["params/marker_rows"] = lora_lib.count(
+          {path: leaf for path, leaf in lora_lib.marker_deltas(state_params).items()})
     report.update(self.frozen_report())  # a reference, a teacher: laid out by the same rules, no optimizer state
     return report
 
@@ -268,8 +283,8 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     """
     if self.lora:
       found, adapters = self.restore_adapters(step)
-      merge = jax.jit(lambda base, a: lora_lib.merge(base, a, self.lora.scale, self.objective.kernel_names),
-                      out_shardings=self.model_shardings)
+      merge = jax.jit(lambda base, a: lora_lib.merge(base, a, self.lora.scale, self.objective.kernel_names,
+                                                     self.objective.marker_ids), out_shardings=self.model_shardings)
       with self.context():
         return found, merge(self.frozen[lora_lib.BASE], adapters)
     return super().restore_params(step)
