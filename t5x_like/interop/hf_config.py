@@ -266,7 +266,8 @@ def _gemma_family(config: GPTConfig) -> str:
   gemma3 = config.qk_norm
   arch = GEMMA3 if gemma3 else GEMMA2
   needs = {"post_norms": (config.post_norms, True), "mlp_activation": (config.mlp_activation, "geglu"),
-           "scale_embeddings": (config.scale_embeddings, True), "position_embedding": (config.position_embedding, "rope"),
+           "scale_embeddings": (config.scale_embeddings, True),
+           "position_embedding": (config.position_embedding, "rope"),
            "use_bias": (config.use_bias, False), "qkv_bias": (config.qkv_bias, False)}
   if not gemma3:
     needs.update(rope_local_theta=(config.rope_local_theta, 0.0), rope_scaling_factor=(config.rope_scaling_factor, 1.0))
@@ -323,7 +324,8 @@ def export_architecture(config: GPTConfig) -> str:
   if config.norm == "rmsnorm_plus_one":
     return _gemma_family(config)
   gemma_only = {"post_norms": config.post_norms, "scale_embeddings": config.scale_embeddings,
-                "sliding_window_pattern": config.sliding_window_pattern, "attention_scale_dim": config.attention_scale_dim,
+                "sliding_window_pattern": config.sliding_window_pattern,
+                "attention_scale_dim": config.attention_scale_dim,
                 "attention_softcap": config.attention_softcap, "final_logit_softcap": config.final_logit_softcap}
   for key, value in gemma_only.items():
     if value:

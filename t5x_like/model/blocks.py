@@ -175,11 +175,11 @@ def unit_fn(config: GPTConfig):
   applying one stacked element (unit_module), rematerialised per the config; `rng` (optional) is the element's
   DROPOUT_RNG stream (e.g. LoRA dropout, posttrain/lora.py); `unit` the element's index in the stack (it fixes a
   layer's kind under sliding_window_pattern)."""
-  unit_module_ = unit_module(config)
+  module = unit_module(config)
 
   def apply(params, x, mask, positions, rng=None, unit=None):
     rngs = None if rng is None else {DROPOUT_RNG: rng}
-    out, _, stats = unit_module_.apply({"params": params}, x, mask, positions, None, None, unit, rngs=rngs)
+    out, _, stats = module.apply({"params": params}, x, mask, positions, None, None, unit, rngs=rngs)
     return out, stats
 
   if config.remat_policy == "none":

@@ -123,7 +123,8 @@ def logits_projection(config: GPTConfig) -> Callable:
 def project_logits(params, hidden: jax.Array, config: GPTConfig) -> jax.Array:
   """Final hidden states (B, T, D) → float32 logits (B, T, V) with the model's output projection
   (the tied token embedding, or the untied `lm_head`), vocabulary-sharded like the full model's, soft-capped
-  with final_logit_softcap. Padding rows (≥ valid_vocab_size) get the float32 minimum, so the softmax never picks them."""
+  with final_logit_softcap. Padding rows (≥ valid_vocab_size) get the float32 minimum, so the softmax never picks
+  them."""
   dtype = config.compute_dtype
   if config.tie_embeddings:
     logits = kernels.contract_trailing(hidden.astype(dtype), params["token_embedding"].astype(dtype), 1, (1,),
