@@ -7,6 +7,7 @@ import tokenize
 
 import gin
 import jax
+import numpy as np
 import pytest
 
 from tests.test_dpo import OPT, TINY, host_params, prefs, run_config  # pylint: disable=unused-import  (prefs: a fixture)
@@ -53,8 +54,9 @@ def test_a_run_file_picks_its_recipe_and_binds_its_config_under_the_recipe_name(
   assert recipes.get(config.recipe).CONFIG is type(expected)
 
 
-def _lora_dpo(prefs_dir, model_dir, base_dir):
-  config = run_config(model_dir, prefs_dir, base=base_dir, train_steps=2, lora=lora.LoraConfig(rank=4, alpha=8.0))
+def _lora_dpo(prefs_dir, model_dir, base_dir, base_precision="float32"):
+  config = run_config(model_dir, prefs_dir, base=base_dir, train_steps=2,
+                      lora=lora.LoraConfig(rank=4, alpha=8.0, base_precision=base_precision))
   exp = experiment_lib.Experiment(config, TINY, OPT)
   manager = checkpointing.make_manager(str(model_dir), async_save=False)
   _, state, _, origin = trainer.initial_state(exp, manager, None)
@@ -85,6 +87,22 @@ def test_a_lora_dpo_reference_is_the_base_itself_and_the_losses_are_unchanged(pr
   assert float(shared[0]) == float(separate[0]) and float(shared[1]) == float(separate[1]) > 0
   for name in shared[2]:
     assert float(shared[2][name]) == float(separate[2][name]), name
+
+
+def test_a_qlora_dpo_starts_at_log_2_against_its_quantised_base(prefs, tmp_path):
+  """DPO over an nf4 base (QLoRA): the reference is the quantised base itself, the policy at B = 0 computes the same
+  log-probabilities through the same dequantising projections, so every margin is 0 and the loss is log 2; a step
+  moves the adapters."""
+  base_dir = str(tmp_path / "base")
+  checkpointing.save_params(base_dir, host_params(dataclasses.replace(TINY, vocab_size=512), seed=2))
+  exp, state, _ = _lora_dpo(prefs[0], tmp_path / "run", base_dir, base_precision="nf4")
+  assert exp.frozen[preference.REFERENCE] is exp.frozen[lora.BASE]
+  batch = exp.global_batch(global_batch.tf_to_numpy(next(iter(exp.eval_dataset(repeat=True)))))
+  with exp.context():
+    loss_sum, weight, _ = jax.jit(exp.objective.loss)(state.params, batch, exp.frozen)
+    new_state, _ = exp.jit_train_step()(state, batch, exp.frozen)
+  assert float(loss_sum / weight) == pytest.approx(np.log(2.0), abs=1e-6)
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(state.params)))
 
 
 OLD_CONFIG = os.path.join(os.path.dirname(__file__), "data", "config_813c6e2_era.gin")  # a run's config.gin, f9706bf

@@ -158,6 +158,7 @@ def merged_params(path: str, metadata: dict) -> dict:
   if not info.get("base"):
     return params
   _, base = checkpointing.restore_params(info["base"])
+  base = lora.computed_base(base, info.get("base_precision", "float32"))
   return jax.tree.map(np.asarray, lora.merge(base, params, info["alpha"] / info["rank"],
                                             marker_ids=tuple(info.get("marker_ids") or ())))
 

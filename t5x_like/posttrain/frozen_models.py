@@ -8,6 +8,7 @@ config, boxed parameters and the recipe's `Frozen` declarations from it. It know
 """
 
 import dataclasses
+import functools
 from typing import Optional
 
 from absl import logging
@@ -24,6 +25,7 @@ from t5x_like.training import checkpointing
 from t5x_like.training import fault_tolerance
 from t5x_like.training import train_state as train_state_lib
 from t5x_like.posttrain import lora as lora_lib
+from t5x_like.posttrain import quantize
 
 # The model config field each logical parameter axis comes from (named in shape-mismatch errors).
 AXIS_FIELDS = {ax.VOCAB: "GPTConfig.vocab_size", ax.EMBED: "GPTConfig.d_model", ax.MLP: "GPTConfig.d_ff",
@@ -84,7 +86,7 @@ class FrozenModels:
         logging.warning("resuming a LoRA run over the base its checkpoints name (%s), not INITIAL_CHECKPOINT_PATH's "
                         "newest step (%s)", pinned, _newest(ckpt.warm_start_from))
       origin["lora"] = {"base": pinned, "rank": self.lora.rank, "alpha": self.lora.alpha, "targets": self.lora.targets,
-                        "marker_ids": list(self.objective.marker_ids)}
+                        "marker_ids": list(self.objective.marker_ids), "base_precision": self.lora.base_precision}
       logging.info("LoRA rank %d (alpha %g) on %d kernels over the frozen base %s", self.lora.rank, self.lora.alpha,
                    len(self.objective.kernel_names), pinned)
       if self.objective.marker_ids:
@@ -198,6 +200,11 @@ class FrozenModels:
     pinned = self.check_checkpoint_shapes(path, "LoRA base checkpoint")
     if pinned != self.lora_base:
       _, params = checkpointing.restore_params(pinned, abstract_params=self.abstract_model_params())
+      if self.lora.base_precision != "float32":  # stored in fewer bits (QLoRA), laid out by the same rules
+        store = jax.jit(functools.partial(quantize.quantize_params, precision=self.lora.base_precision),
+                        out_shardings=self.frozen_shardings[lora_lib.BASE])
+        with self.context():
+          params = store(params)
       self.frozen[lora_lib.BASE], self.lora_base = params, pinned
     return pinned
 

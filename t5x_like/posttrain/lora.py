@@ -54,6 +54,7 @@ from t5x_like.model import layers
 from t5x_like.model.blocks import DROPOUT_RNG
 from t5x_like.model.config import GPTConfig
 from t5x_like.parallel import axis_names as ax
+from t5x_like.posttrain import quantize
 from t5x_like.training import checkpointing
 from t5x_like.training.trainable import path_name
 
@@ -80,8 +81,12 @@ class LoraConfig:
   # On chat / preference data, also train the chat template's marker-token rows of the token embedding and an
   # untied lm_head (deltas stored with the adapters, merged on export; see the module docstring).
   marker_rows: bool = True
+  # How the frozen base is stored: float32 | bfloat16 | int8 | nf4 (QLoRA; posttrain/quantize.py): the block
+  # projections' kernels quantised and dequantised in the forward, the other leaves bfloat16.
+  base_precision: str = "float32"
 
   def __post_init__(self):
+    quantize.check_precision(self.base_precision)
     if self.rank < 0:
       raise ValueError(f"LoraConfig.rank must be >= 0 (0 = no LoRA), got {self.rank}")
     if self.rank and self.alpha <= 0:
@@ -319,17 +324,31 @@ def attach(base: Params, adapters: Params, scale: float,
   for path, (a, b) in pairs.items():
     if not runs_in_model(path):
       continue
-    if path not in flat:
-      raise ValueError(f"LoRA adapters for '{path_name(path)}', which the base model does not have")
-    check_fits(a, b, tuple(flat[path].shape), path_name(path))
+    check_fits(a, b, _kernel_shape(flat, path), path_name(path))
     flat[path[:-1] + (A,)] = a
     flat[path[:-1] + (B,)] = b * scale
   return flax.traverse_util.unflatten_dict(flat)
 
 
+def _kernel_shape(flat: dict, path: tuple) -> tuple:
+  """The shape of kernel `path` in a flat base tree, stored as it is or quantised (quantize.CODES)."""
+  if path in flat:
+    return tuple(flat[path].shape)
+  codes = flat.get(path[:-1] + (quantize.CODES,))
+  if codes is None:
+    raise ValueError(f"LoRA adapters for '{path_name(path)}', which the base model does not have")
+  return tuple(codes.shape[:-1]) + (codes.shape[-1] * (2 if codes.dtype == jnp.uint8 else 1),)
+
+
+def computed_base(base: Params, precision: str) -> Params:
+  """The base a run with LoraConfig.base_precision `precision` computed with: stored that way, read back float32."""
+  return base if precision == "float32" else quantize.dequantize_params(quantize.quantize_params(base, precision))
+
+
 def in_model(dropout: float = 0.0):
   """A context in which every model.layers.DenseGeneral call that finds `lora_a`, `lora_b` beside its kernel
-  (parameters from `attach`) returns its output + dropout(x)·A·B. The dropout masks draw from the apply's
+  (parameters from `attach`) returns its output + dropout(x)·A·B, and one whose kernel is stored quantised
+  (quantize.CODES, SCALES) computes with it dequantised. The dropout masks draw from the apply's
   blocks.DROPOUT_RNG stream (`rngs=`); without it (or at rate 0) the adapters read x itself. Enter it around
   the trace of the model's apply."""
   return nn.intercept_methods(functools.partial(_dense_with_adapters, dropout))
@@ -337,10 +356,14 @@ def in_model(dropout: float = 0.0):
 
 def _dense_with_adapters(dropout: float, next_fun, args, kwargs, context):
   """flax interceptor: DenseGeneral's y (x (..., *in) → (..., *out)) + dropout(x)·A (in..., r)·B (r, out...)."""
-  y = next_fun(*args, **kwargs)
   dense = context.module
-  if (not isinstance(dense, layers.DenseGeneral) or context.method_name != "__call__"
-      or not dense.has_variable("params", A)):
+  if not isinstance(dense, layers.DenseGeneral) or context.method_name != "__call__":
+    return next_fun(*args, **kwargs)
+  if dense.has_variable("params", quantize.CODES):  # a quantised base kernel (QLoRA)
+    y = quantize.dense_forward(dense, args[0])
+  else:
+    y = next_fun(*args, **kwargs)
+  if not dense.has_variable("params", A):
     return y
   h = args[0].astype(dense.dtype)
   if dropout and dense.has_rng(DROPOUT_RNG):
@@ -453,6 +476,7 @@ def merge_checkpoint(model_dir: str, output_dir: str, step: Optional[int] = None
     raise ValueError(f"{path} is not a LoRA run's checkpoint (its metadata has no 'lora.base' entry)")
   _, adapters = checkpointing.restore_params(path)
   _, base = checkpointing.restore_params(info["base"])
+  base = computed_base(base, info.get("base_precision", "float32"))
   merged = jax.tree.map(np.asarray, merge(base, adapters, info["alpha"] / info["rank"],
                                           marker_ids=tuple(info.get("marker_ids") or ())))
   written = checkpointing.save_params(output_dir, merged, 0, {

@@ -23,7 +23,8 @@ def settings(entry: dict, path: str) -> lora.LoraConfig:
   if missing:
     raise ValueError(f"{path}: the checkpoint's LoRA metadata lacks {', '.join('lora.' + k for k in missing)}")
   return lora.LoraConfig(rank=int(entry["rank"]), alpha=float(entry["alpha"]),
-                         targets=entry.get("targets") or lora.LORA_TARGETS)
+                         targets=entry.get("targets") or lora.LORA_TARGETS,
+                         base_precision=entry.get("base_precision", "float32"))
 
 
 def abstract_adapters(runtime, config: lora.LoraConfig, marker_ids: tuple = ()):
@@ -46,8 +47,8 @@ def restore_merged(runtime, step: Optional[int], path: str, entry: dict):
   _, found_path = checkpointing.step_dir(runtime.config.model_dir, found)
   base_path = checkpointing.read_metadata(found_path).get("lora", {}).get("base") or entry["base"]
   _, base = checkpointing.restore_params(base_path, abstract_params=runtime.abstract_model_params())
-  merge = jax.jit(lambda b, a: lora.merge(b, a, config.scale, kernel_names, marker_ids),
-                  out_shardings=runtime.model_shardings)
+  merge = jax.jit(lambda b, a: lora.merge(lora.computed_base(b, config.base_precision), a, config.scale,
+                                          kernel_names, marker_ids), out_shardings=runtime.model_shardings)
   with runtime.context():
     return found, merge(base, adapters)
 

@@ -24,6 +24,7 @@ from t5x_like.parallel import offload
 from t5x_like.parallel import partitioning
 from t5x_like.posttrain import frozen_models
 from t5x_like.posttrain import lora as lora_lib
+from t5x_like.posttrain import quantize
 from t5x_like.training import checkpointing
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import precision
@@ -72,7 +73,8 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
       self.objective = lora_lib.objective(self.model_objective, self.boxed_params, self.lora, self.marker_ids)
       self.params_fn = functools.partial(lora_lib.init_run_adapters, boxed_params=self.boxed_params,
                                          config=self.lora, marker_ids=self.marker_ids)
-      self.frozen_shardings[lora_lib.BASE] = self.model_shardings
+      self.frozen_shardings[lora_lib.BASE] = partitioning.shardings_from_boxed(
+          quantize.boxed_stored(self.boxed_params, self.lora.base_precision), self.mesh, self.rules)
     self.frozen_specs = tuple(recipe.frozen_models(self))  # a reference, a teacher (posttrain/frozen_models.py)
     for spec in self.frozen_specs:
       self.frozen_shardings[spec.name] = self.frozen_layout(spec)[1]
@@ -124,8 +126,9 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
                                                                             self.state_shardings.params),
     }
     if self.lora:
+      stored = quantize.boxed_stored(self.boxed_params, self.lora.base_precision)  # QLoRA: the quantised bytes
       report["memory/frozen_base_bytes_per_device"] = train_state_lib.bytes_per_device(
-          partitioning.unbox(self.boxed_params), self.model_shardings)
+          partitioning.unbox(stored), self.frozen_shardings[lora_lib.BASE])
       report["params/marker_rows"] = lora_lib.count(
           {path: leaf for path, leaf in lora_lib.marker_deltas(state_params).items()})
     report.update(self.frozen_report())  # a reference, a teacher: laid out by the same rules, no optimizer state
@@ -283,8 +286,9 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     """
     if self.lora:
       found, adapters = self.restore_adapters(step)
-      merge = jax.jit(lambda base, a: lora_lib.merge(base, a, self.lora.scale, self.objective.kernel_names,
-                                                     self.objective.marker_ids), out_shardings=self.model_shardings)
+      merge = jax.jit(lambda base, a: lora_lib.merge(quantize.dequantize_params(base), a, self.lora.scale,
+                                                     self.objective.kernel_names, self.objective.marker_ids),
+                      out_shardings=self.model_shardings)
       with self.context():
         return found, merge(self.frozen[lora_lib.BASE], adapters)
     return super().restore_params(step)
