@@ -34,6 +34,7 @@ from t5x_like.training import checkpointing
 from t5x_like.recipes import experiment as experiment_lib
 from t5x_like.inference import text as text_lib
 from t5x_like.posttrain import lora
+from t5x_like.posttrain import marker_rows
 from t5x_like.training import runtime as runtime_lib
 from t5x_like.training import step as step_lib
 from t5x_like.training import train_state
@@ -72,7 +73,8 @@ def test_lora_first_step_is_the_base_model_exactly(lora_run, base):
   _, base_params = base
   assert lora_run["start"] == 0
   assert lora_run["origin"]["lora"] == {"base": os.path.join(base[0], "checkpoints", "0"), "rank": 4, "alpha": 8.0,
-                                        "targets": lora.LORA_TARGETS, "marker_ids": []}  # text data: no markers
+                                        "targets": lora.LORA_TARGETS, "marker_ids": [],  # text data: no markers
+                                        "base_precision": "float32"}
   # B = 0: W + (α/r)·A·0 is W bit for bit, so the merged model's logits are the base's, exactly
   assert digest(lora.merge(base_params, initial.params, LORA.scale)) == digest(base_params)
   with exp.context():
@@ -182,31 +184,32 @@ def test_marker_rows_start_at_the_base_and_move_only_their_rows():
   count that does not match the ids is refused by name."""
   cfg = dataclasses.replace(TINY, vocab_size=64, tie_embeddings=False, use_bias=False)
   boxed = jax.eval_shape(lambda: model_lib.GPT(cfg).init(jax.random.key(0), np.zeros((1, 1), np.int32)))["params"]
-  base = random_params(partitioning.unbox(boxed), seed=3)
+  base_params = random_params(partitioning.unbox(boxed), seed=3)
   ids = (5, 9, 10)
   adapters = partitioning.unbox(lora.init_run_adapters(jax.random.key(1), boxed, LORA, ids))
-  deltas = lora.marker_deltas(adapters)
+  deltas = marker_rows.deltas(adapters)
   assert {k: v.shape for k, v in deltas.items()} == {("token_embedding",): (3, 32), ("lm_head", "kernel"): (32, 3)}
-  assert digest(lora.merge(base, adapters, LORA.scale, marker_ids=ids)) == digest(base)
+  assert digest(lora.merge(base_params, adapters, LORA.scale, marker_ids=ids)) == digest(base_params)
   moved = flax.traverse_util.unflatten_dict({
       **flax.traverse_util.flatten_dict(adapters),
-      ("token_embedding", lora.MARKERS): jnp.ones((3, 32)), ("lm_head", "kernel", lora.MARKERS): jnp.ones((32, 3))})
-  merged = lora.merge(base, moved, LORA.scale, marker_ids=ids)
-  rows = np.any(np.asarray(merged["token_embedding"]) != base["token_embedding"], axis=1)
-  cols = np.any(np.asarray(merged["lm_head"]["kernel"]) != base["lm_head"]["kernel"], axis=0)
+      ("token_embedding", marker_rows.MARKERS): jnp.ones((3, 32)),
+      ("lm_head", "kernel", marker_rows.MARKERS): jnp.ones((32, 3))})
+  merged = lora.merge(base_params, moved, LORA.scale, marker_ids=ids)
+  rows = np.any(np.asarray(merged["token_embedding"]) != base_params["token_embedding"], axis=1)
+  cols = np.any(np.asarray(merged["lm_head"]["kernel"]) != base_params["lm_head"]["kernel"], axis=0)
   assert np.flatnonzero(rows).tolist() == list(ids) and np.flatnonzero(cols).tolist() == list(ids)
-  np.testing.assert_allclose(np.asarray(merged["token_embedding"])[list(ids)], base["token_embedding"][list(ids)] + 1,
-                             rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(merged["token_embedding"])[list(ids)],
+                             base_params["token_embedding"][list(ids)] + 1, rtol=1e-6)
   tokens = jnp.asarray([[5, 1, 9, 2, 10, 3]], jnp.int32)
-  loss = lambda a: jnp.mean(model_lib.GPT(cfg).apply({"params": lora.attach(base, a, LORA.scale, marker_ids=ids)},
-                                                     tokens) ** 2)
-  grads = lora.marker_deltas(jax.grad(loss)(adapters))
+  attached = lambda a: lora.attach(base_params, a, LORA.scale, marker_ids=ids)
+  loss = lambda a: jnp.mean(model_lib.GPT(cfg).apply({"params": attached(a)}, tokens) ** 2)
+  grads = marker_rows.deltas(jax.grad(loss)(adapters))
   # every marker row (lm_head: column) gets a gradient
   assert all(float(jnp.abs(g).max(axis=0 if path == ("lm_head", "kernel") else 1).min()) > 0
              for path, g in grads.items())
   with pytest.raises(ValueError, match=r"'(token_embedding|lm_head/kernel)': 3 marker rows stored for 2 marker "
                                        r"token ids"):
-    lora.merge(base, moved, LORA.scale, marker_ids=(5, 9))
+    lora.merge(base_params, moved, LORA.scale, marker_ids=(5, 9))
 
 
 @pytest.mark.slow  # a chat dataset and a 4-step LoRA run (≈ 15 s on 2 cores)
@@ -224,8 +227,8 @@ def test_lora_on_chat_data_trains_the_marker_rows_and_every_reader_merges_them(t
   ids = tuple(sorted(tok.token_to_id(marker) for marker in chat.ChatTemplate().markers().values()))
   assert exp.marker_ids == ids and len(ids) == 4
   assert exp.startup_report()["params/marker_rows"] == 4 * CHAT_MODEL.d_model * 2  # embedding + untied head
-  base = model_params(exp, seed=0)
-  checkpointing.save_params(base_dir, base)
+  base_params = model_params(exp, seed=0)
+  checkpointing.save_params(base_dir, base_params)
   trainer.train(run, CHAT_MODEL, opt)
   meta = checkpointing.read_metadata(checkpointing.resolve_checkpoint(model_dir, None)[1])
   assert meta["lora"]["marker_ids"] == list(ids)
@@ -239,8 +242,8 @@ def test_lora_on_chat_data_trains_the_marker_rows_and_every_reader_merges_them(t
   read = tuple(sorted(tok.token_to_id(m) for m in (chat.ChatTemplate().user, chat.ChatTemplate().assistant,
                                                     chat.ChatTemplate().end)))  # no system turn in this data
   for params in (own, merged):  # every marker is a softmax column; only those the data holds are read as inputs
-    rows = np.any(params["token_embedding"] != base["token_embedding"], axis=1)
-    cols = np.any(params["lm_head"]["kernel"] != base["lm_head"]["kernel"], axis=0)
+    rows = np.any(params["token_embedding"] != base_params["token_embedding"], axis=1)
+    cols = np.any(params["lm_head"]["kernel"] != base_params["lm_head"]["kernel"], axis=0)
     assert tuple(np.flatnonzero(rows)) == read and tuple(np.flatnonzero(cols)) == ids
   np.testing.assert_allclose(merged["token_embedding"], own["token_embedding"], rtol=1e-6, atol=1e-7)
 

@@ -37,7 +37,6 @@ are the run's (`marker_ids`, recorded in the checkpoint's `lora` metadata) and m
 
 import dataclasses
 import functools
-import os
 import re
 import zlib
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -54,14 +53,13 @@ from t5x_like.model import layers
 from t5x_like.model.blocks import DROPOUT_RNG
 from t5x_like.model.config import GPTConfig
 from t5x_like.parallel import axis_names as ax
+from t5x_like.posttrain import marker_rows
 from t5x_like.posttrain import quantize
 from t5x_like.training import checkpointing
 from t5x_like.training.trainable import path_name
 
 BASE = "lora_base"  # the frozen base model's key in the objective's `frozen`
 A, B = "lora_a", "lora_b"  # adapter leaf names under their kernel's path
-MARKERS = "marker_rows"  # the marker rows' delta under its table's path (token_embedding, lm_head/kernel)
-MARKER_TABLES = (("token_embedding",), ("lm_head", "kernel"))  # tables with a row (or column) per token
 
 Params = Dict[str, Any]
 
@@ -174,63 +172,10 @@ def init_adapters(rng: jax.Array, kernels: Mapping[Tuple[str, ...], Any], config
   return flax.traverse_util.unflatten_dict(out)
 
 
-def marker_tables(boxed_params: Params) -> Dict[Tuple[str, ...], Any]:
-  """{table path: its boxed abstract value} of the model's tables with a row per token (MARKER_TABLES)."""
-  flat = flax.traverse_util.flatten_dict(boxed_params)
-  return {path: flat[path] for path in MARKER_TABLES if path in flat}
-
-
-def _vocab_axis(names: tuple, path: Tuple[str, ...]) -> int:
-  if ax.VOCAB not in names:
-    raise ValueError(f"'{path_name(path)}' has no vocabulary axis (logical axes {names}): no marker rows")
-  return names.index(ax.VOCAB)
-
-
-def init_marker_rows(tables: Mapping[Tuple[str, ...], Any], count: int) -> Params:
-  """Boxed zero deltas of `count` marker rows for each table (from `marker_tables`): the vocabulary axis
-  becomes `count` (unsharded), the other axes keep their names."""
-  out = {}
-  for path, leaf in tables.items():
-    names, shape = _names(leaf), tuple((leaf.value if isinstance(leaf, nn.LogicallyPartitioned) else leaf).shape)
-    axis = _vocab_axis(names, path)
-    out[path + (MARKERS,)] = nn.LogicallyPartitioned(
-        jnp.zeros(shape[:axis] + (count,) + shape[axis + 1:], jnp.float32), names[:axis] + (None,) + names[axis + 1:])
-  return flax.traverse_util.unflatten_dict(out)
-
-
-def marker_deltas(adapters: Params) -> Dict[Tuple[str, ...], Any]:
-  """{table path: marker-row delta} of an adapter tree."""
-  return {path[:-1]: leaf for path, leaf in flax.traverse_util.flatten_dict(adapters or {}).items()
-          if path[-1] == MARKERS}
-
-
-def add_marker_rows(params: Params, adapters: Params, marker_ids: tuple) -> Params:
-  """`params` with each marker delta added to its table's rows (columns of lm_head/kernel) `marker_ids`.
-
-  Raises:
-    ValueError: deltas without ids, a count that differs from the ids', or a table the model lacks.
-  """
-  deltas = marker_deltas(adapters)
-  if not deltas:
-    return params
-  flat = flax.traverse_util.flatten_dict(params)
-  ids = jnp.asarray(marker_ids, jnp.int32)
-  for path, delta in deltas.items():
-    if path not in flat:
-      raise ValueError(f"marker rows for '{path_name(path)}', which the base model does not have")
-    w = flat[path]
-    axis = 1 if path[0] == "lm_head" else 0
-    if delta.shape[axis] != len(marker_ids):
-      raise ValueError(f"'{path_name(path)}': {delta.shape[axis]} marker rows stored for {len(marker_ids)} marker "
-                       f"token ids {tuple(marker_ids)} (LoRA metadata lora.marker_ids)")
-    index = (slice(None),) * axis + (ids,)
-    flat[path] = jnp.asarray(w).at[index].add(jnp.asarray(delta, w.dtype))
-  return flax.traverse_util.unflatten_dict(flat)
-
-
 def adapter_pairs(adapters: Params) -> Dict[Tuple[str, ...], Tuple[Any, Any]]:
-  """{kernel path: (A, B)} of an adapter tree (marker rows left out: marker_deltas)."""
-  flat = {path: leaf for path, leaf in flax.traverse_util.flatten_dict(adapters).items() if path[-1] != MARKERS}
+  """{kernel path: (A, B)} of an adapter tree (marker rows left out: marker_rows.deltas)."""
+  flat = {path: leaf for path, leaf in flax.traverse_util.flatten_dict(adapters).items()
+          if path[-1] != marker_rows.MARKERS}
   pairs = {}
   for path in flat:
     kernel = path[:-1]
@@ -282,12 +227,12 @@ def merge(base: Params, adapters: Params, scale: float,
     scale: alpha / rank.
     kernel_names: {kernel path name: logical axis names}: under jit, each update is constrained to its
       kernel's layout (needs the mesh and axis rules in context). None = no constraint.
-    marker_ids: the token ids of the adapters' marker rows (`init_marker_rows`), if it has any.
+    marker_ids: the token ids of the adapters' marker rows (`marker_rows.init`), if it has any.
 
   Raises:
     ValueError: an adapter names a kernel the base lacks, or does not fit its shape.
   """
-  flat = flax.traverse_util.flatten_dict(add_marker_rows(base, adapters, marker_ids))
+  flat = flax.traverse_util.flatten_dict(marker_rows.add(base, adapters, marker_ids))
   for path, (a, b) in (adapter_pairs(adapters) if adapters else {}).items():
     if path not in flat:
       raise ValueError(f"LoRA adapters for '{path_name(path)}', which the base model does not have")
@@ -318,7 +263,7 @@ def attach(base: Params, adapters: Params, scale: float,
     ValueError: an adapter names a kernel the base lacks, or does not fit its shape.
   """
   pairs = adapter_pairs(adapters)
-  merged = merge(add_marker_rows(base, adapters, marker_ids),
+  merged = merge(marker_rows.add(base, adapters, marker_ids),
                  _subtree(adapters, [p for p in pairs if not runs_in_model(p)]), scale, kernel_names)
   flat = flax.traverse_util.flatten_dict(merged)
   for path, (a, b) in pairs.items():
@@ -384,7 +329,7 @@ def validate(config: LoraConfig, model_config: GPTConfig) -> None:
 def _subtree(adapters: Params, kernels) -> Params:
   flat = flax.traverse_util.flatten_dict(adapters)
   return flax.traverse_util.unflatten_dict({k: v for k, v in flat.items()
-                                            if k[:-1] in set(kernels) and k[-1] != MARKERS})
+                                            if k[:-1] in set(kernels) and k[-1] != marker_rows.MARKERS})
 
 
 def dropout_key(batch) -> jax.Array:
@@ -443,7 +388,7 @@ def init_run_adapters(rng: jax.Array, boxed_params: Params, config: LoraConfig, 
   """A run's boxed adapters: `init_adapters` on config.targets, plus zero marker rows for `marker_ids`."""
   adapters = init_adapters(rng, target_kernels(boxed_params, config.targets), config)
   if marker_ids:
-    adapters = _merge_trees(adapters, init_marker_rows(marker_tables(boxed_params), len(marker_ids)))
+    adapters = _merge_trees(adapters, marker_rows.init(marker_rows.tables(boxed_params), len(marker_ids)))
   return adapters
 
 

@@ -24,6 +24,7 @@ from t5x_like.parallel import offload
 from t5x_like.parallel import partitioning
 from t5x_like.posttrain import frozen_models
 from t5x_like.posttrain import lora as lora_lib
+from t5x_like.posttrain import marker_rows
 from t5x_like.posttrain import quantize
 from t5x_like.training import checkpointing
 from t5x_like.training import optimizer as optimizer_lib
@@ -130,7 +131,7 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
       report["memory/frozen_base_bytes_per_device"] = train_state_lib.bytes_per_device(
           partitioning.unbox(stored), self.frozen_shardings[lora_lib.BASE])
       report["params/marker_rows"] = lora_lib.count(
-          {path: leaf for path, leaf in lora_lib.marker_deltas(state_params).items()})
+          {path: leaf for path, leaf in marker_rows.deltas(state_params).items()})
     report.update(self.frozen_report())  # a reference, a teacher: laid out by the same rules, no optimizer state
     return report
 
