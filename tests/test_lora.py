@@ -35,6 +35,7 @@ from t5x_like.recipes import experiment as experiment_lib
 from t5x_like.inference import text as text_lib
 from t5x_like.posttrain import lora
 from t5x_like.posttrain import marker_rows
+from t5x_like.posttrain import quantize
 from t5x_like.training import runtime as runtime_lib
 from t5x_like.training import step as step_lib
 from t5x_like.training import train_state
@@ -256,18 +257,20 @@ LLAMA = dataclasses.replace(layouts.CFG, num_layers=2, num_heads=4, num_kv_heads
                             mlp_activation="swiglu", position_embedding="rope", use_bias=False, tie_embeddings=False)
 
 
-def lora_train(initial, base_params, mesh_shape: dict, devices=None):
-  """STEPS LoRA steps from `initial` adapters over `base_params` on a layout: ([(loss, grad_norm)], adapters)."""
+def lora_train(initial, base_params, mesh_shape: dict, devices=None, base_precision="float32"):
+  """STEPS LoRA steps from `initial` adapters over `base_params` (stored in `base_precision`) on a layout:
+  ([(loss, grad_norm)], adapters[, the stored base as placed])."""
   mesh, _, model, tx, lr_fn = layouts.make_layout(mesh_shape, devices=devices, base=LLAMA)
   rules = layouts.RULES
+  stored = jax.tree.map(np.asarray, quantize.quantize_params(base_params, base_precision))  # on host
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 1), np.int32)))["params"]
-    base_shardings = partitioning.shardings_from_boxed(boxed, mesh, rules)
+    base_shardings = partitioning.shardings_from_boxed(quantize.boxed_stored(boxed, base_precision), mesh, rules)
     objective = lora.objective(language_model.LanguageModel(model.apply), boxed, LORA)
     params_fn = functools.partial(lora.init_adapters, kernels=lora.target_kernels(boxed, LORA.targets), config=LORA)
     _, shardings = train_state.state_shardings(model, tx, mesh, rules, params_fn=params_fn)
     state = jax.device_put(initial, shardings)
-    frozen = {lora.BASE: jax.device_put(base_params, base_shardings)}
+    frozen = {lora.BASE: jax.device_put(stored, base_shardings)}
     batch_sharding = partitioning.batch_sharding(mesh, rules)
     batch = {k: jax.device_put(v, batch_sharding) for k, v in layouts.synthetic_batch().items()}
     step = step_lib.jit_train_step(step_lib.make_train_step(objective, tx, lr_fn), shardings, batch_sharding,
@@ -276,6 +279,8 @@ def lora_train(initial, base_params, mesh_shape: dict, devices=None):
     for _ in range(layouts.STEPS):
       state, metrics = step(state, batch, frozen)
       history.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+  if base_precision != "float32":
+    return np.array(history), state, frozen[lora.BASE]
   return np.array(history), state
 
 
@@ -351,6 +356,19 @@ def test_lora_layout_trains_like_one_device(lora_initial, lora_reference):
   assert "tensor" in spec(adapters["mlp_gate"]["kernel"]["lora_b"])
   assert "fsdp" in spec(adapters["mlp_in"]["kernel"]["lora_a"])  # the embed axis, as its kernel's
   assert spec(adapters["mlp_out"]["kernel"]["lora_b"])[0] == "pipeline"
+
+
+@pytest.mark.slow  # two 3-step runs (≈ 15 s on 2 cores)
+def test_qlora_layout_trains_like_one_device_with_the_codes_split_like_their_kernels(lora_initial):
+  """An nf4 base (QLoRA) on pipeline × fsdp × tensor trains like one device over the same nf4 base; the codes are
+  laid out by the rules as their kernels are (the MLP's hidden axis on 'tensor', the layers on 'pipeline')."""
+  reference = lora_train(*lora_initial, {"data": 1}, devices=jax.devices()[:1], base_precision="nf4")
+  history, state, stored = lora_train(*lora_initial, {"pipeline": 2, "fsdp": 2, "tensor": 2}, base_precision="nf4")
+  layouts.assert_same_training((history, jax.tree.map(np.asarray, state.params)),
+                               (reference[0], jax.tree.map(np.asarray, reference[1].params)))
+  codes = stored["blocks"]["mlp_in"][quantize.CODES]
+  assert codes.dtype == jnp.uint8 and tuple(codes.sharding.spec)[0] == "pipeline"
+  assert "tensor" in tuple(codes.sharding.spec)
 
 
 # ----------------------------------------------------------------------------------------------------

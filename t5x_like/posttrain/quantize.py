@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5x_like.model import cpu_kernels
+from t5x_like.parallel import partitioning
 from t5x_like.training.trainable import path_name
 
 PRECISIONS = ("float32", "bfloat16", "int8", "nf4")
@@ -130,7 +131,7 @@ def boxed_stored(boxed_params: dict, precision: str) -> dict:
   check_precision(precision)
   if precision == "float32":
     return boxed_params
-  shapes = jax.eval_shape(lambda p: quantize_params(p, precision), nn.meta.unbox(boxed_params))
+  shapes = jax.eval_shape(lambda p: quantize_params(p, precision), partitioning.unbox(boxed_params))
   flat_boxed = flax.traverse_util.flatten_dict(boxed_params)
   out = {}
   for path, shape in flax.traverse_util.flatten_dict(shapes).items():
