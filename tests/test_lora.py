@@ -247,6 +247,10 @@ def test_lora_on_chat_data_trains_the_marker_rows_and_every_reader_merges_them(t
     cols = np.any(params["lm_head"]["kernel"] != base_params["lm_head"]["kernel"], axis=0)
     assert tuple(np.flatnonzero(rows)) == read and tuple(np.flatnonzero(cols)) == ids
   np.testing.assert_allclose(merged["token_embedding"], own["token_embedding"], rtol=1e-6, atol=1e-7)
+  # a LoRA run checkpointed before marker rows existed (no lora.marker_ids) resumes without them
+  old_dir = str(tmp_path / "old")
+  checkpointing.save_params(old_dir, {"unused": np.zeros(1)}, 2, {"lora": {"base": base_dir, "rank": 4, "alpha": 8.0}})
+  assert experiment_lib.Experiment(dataclasses.replace(run, model_dir=old_dir), CHAT_MODEL, opt).marker_ids == ()
 
 
 # ----------------------------------------------------------------------------------------------------

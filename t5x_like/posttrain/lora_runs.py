@@ -1,7 +1,7 @@
 """A LoRA run's checkpoint read as the model's parameters, with the settings the run recorded.
 
 A LoRA run's checkpoints hold its adapters (and marker rows) and, in their metadata, `lora: {base, rank, alpha,
-targets, marker_ids}`.
+targets, marker_ids, base_precision}`.
 `restore_merged` (registered as the runtime's reader of the `lora` metadata key) restores the adapters and
 the base they name onto the runtime's mesh and returns W + (alpha / rank)·A·B on every adapted kernel, so
 `infer`, `evaluate`, `serve` and `convert` need no LoRA flag for a LoRA run.

@@ -89,7 +89,12 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
 
   def _marker_ids(self) -> tuple:
     """The token ids of the chat template's markers when the data is chat or preference data (its manifest
-    records a template) and LoraConfig.marker_rows is on; else ()."""
+    records a template) and LoraConfig.marker_rows is on; else (). A run resuming from its own checkpoints keeps
+    the ids they record (none for a run started before marker rows existed, so it still resumes)."""
+    if self.config.model_dir and checkpointing.committed_steps(self.config.model_dir):
+      saved = checkpointing.read_metadata(checkpointing.step_dir(self.config.model_dir)[1]).get("lora")
+      if saved is not None:
+        return tuple(saved.get("marker_ids") or ())
     template = (self.manifest or {}).get("chat_template")
     if not self.lora.marker_rows or template is None:
       return ()
