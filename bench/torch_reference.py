@@ -22,6 +22,9 @@ The PyTorch loop runs in a child process of its own (never at the same time as t
 malloc as a new user's script has it. t5x_like's side runs as the trainer does, with glibc set to keep freed memory
 (parallel/host_allocator.py, set by every entry point); `--torch_allocator=same` gives the PyTorch process the same
 settings, to show what they are worth to it.
+
+Resident memory (VmRSS) after each model's rounds: the PyTorch worker's (one per model), and this process's, which
+also holds the models measured before (run one --models at a time for each alone).
 """
 
 import argparse
@@ -119,6 +122,10 @@ class TorchProcess:
     seconds, loss = self.proc.stdout.readline().split()
     return float(seconds), float(loss)
 
+  def rss_gib(self) -> float:
+    """The worker's resident memory now, GiB."""
+    return rss_gib(self.proc.pid)
+
   def gemm_rate(self) -> float:
     """gemm_rate of torch.mm on the model's gemm_shapes, in the worker (its threads, its malloc)."""
     self.proc.stdin.write("gemm\n")
@@ -155,6 +162,15 @@ class T5xLoop:
     for _ in range(steps):  # no host sync inside the loop, as the trainer between log steps
       self.state, metrics = self.step(self.state, self.data)
     return float(metrics["loss"])
+
+
+def rss_gib(pid="self") -> float:
+  """VmRSS of a process (Linux /proc), GiB; nan elsewhere."""
+  try:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+      return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 2 ** 20
+  except (OSError, StopIteration):
+    return math.nan
 
 
 def gemm_shapes(cfg: model_lib.GPTConfig, rows: int) -> list:
@@ -222,8 +238,9 @@ def main():
     return torch_worker(args)
   print(f"torch {torch.__version__} ({args.threads} threads, malloc: {args.torch_allocator}); {os.cpu_count()} cores; "
         f"load average {os.getloadavg()[0]:.2f} at start; batch {args.batch} × {args.seq}\n")
-  print("| model | params | t5x_like dtype | t5x_like tokens/s | PyTorch float32 tokens/s | ratio | loss t5x / torch |")
-  print("|---|---:|---|---:|---:|---:|---|")
+  print("| model | params | t5x_like dtype | t5x_like tokens/s | PyTorch float32 tokens/s | ratio | loss t5x / torch | "
+        "RSS t5x_like / PyTorch GiB |")
+  print("|---|---:|---|---:|---:|---:|---|---|")
   tokens = args.batch * args.seq
   gemm_lines = []
   for name in args.models.split(","):
@@ -240,14 +257,16 @@ def main():
         t5x_seconds = min(t5x_seconds, seconds)
         seconds, torch_loss = torch_loop.run(args.steps)
         torch_seconds = min(torch_seconds, seconds)
-      rows.append((dtype, model_lib.count_params(cfg), t5x_seconds, t5x_loss, torch_loss))
+      # resident memory after the rounds: the PyTorch worker's own; this process's holds every loop built so far
+      rows.append((dtype, model_lib.count_params(cfg), t5x_seconds, t5x_loss, torch_loss, rss_gib(),
+                   torch_loop.rss_gib()))
     shapes = gemm_shapes(cfg, tokens)
     gemm_lines.append(f"{name}: XLA {gemm_rate(xla_product, shapes):.0f}, PyTorch {torch_loop.gemm_rate():.0f} GFLOP/s")
     torch_loop.close()
-    for dtype, params, t5x_seconds, t5x_loss, torch_loss in rows:  # against PyTorch's best round of all
+    for dtype, params, t5x_seconds, t5x_loss, torch_loss, t5x_rss, torch_rss in rows:  # against PyTorch's best round
       print(f"| {name} | {params / 1e6:.1f}M | {dtype} | {tokens / t5x_seconds:,.0f} | "
-            f"{tokens / torch_seconds:,.0f} | {torch_seconds / t5x_seconds:.2f}× | {t5x_loss:.2f} / {torch_loss:.2f} |",
-            flush=True)
+            f"{tokens / torch_seconds:,.0f} | {torch_seconds / t5x_seconds:.2f}× | {t5x_loss:.2f} / {torch_loss:.2f} | "
+            f"{t5x_rss:.2f} / {torch_rss:.2f} |", flush=True)
   print(f"\nfloat32 GEMMs alone on the forward's dense shapes ({args.threads} threads): " + "; ".join(gemm_lines))
   print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
