@@ -265,8 +265,8 @@ def main():
     torch_loop.close()
     for dtype, params, t5x_seconds, t5x_loss, torch_loss, t5x_rss, torch_rss in rows:  # against PyTorch's best round
       print(f"| {name} | {params / 1e6:.1f}M | {dtype} | {tokens / t5x_seconds:,.0f} | "
-            f"{tokens / torch_seconds:,.0f} | {torch_seconds / t5x_seconds:.2f}× | {t5x_loss:.2f} / {torch_loss:.2f} | "
-            f"{t5x_rss:.2f} / {torch_rss:.2f} |", flush=True)
+            f"{tokens / torch_seconds:,.0f} | {torch_seconds / t5x_seconds:.2f}× | "
+            f"{t5x_loss:.2f} / {torch_loss:.2f} | {t5x_rss:.2f} / {torch_rss:.2f} |", flush=True)
   print(f"\nfloat32 GEMMs alone on the forward's dense shapes ({args.threads} threads): " + "; ".join(gemm_lines))
   print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
