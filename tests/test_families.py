@@ -351,6 +351,8 @@ REFUSED = {
     "gemma3_bidirectional": (dict(model_type="gemma3_text", use_bidirectional_attention=True),
                              "use_bidirectional_attention=True is not supported"),
     "gemma2_activation": (dict(model_type="gemma2", hidden_activation="relu"), "hidden_activation='relu'"),
+    "gemma2_query_scalar": (dict(model_type="gemma2", sliding_window=4, query_pre_attn_scalar=24.5),
+                            r"query_pre_attn_scalar=24.5 is not supported \(a positive integer\)"),
     "gemma3_local_rope": (dict(model_type="gemma3_text", sliding_window=4, layer_types=["sliding_attention",
                                                                                         "full_attention"],
                                rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 2.0},
