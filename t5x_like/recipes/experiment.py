@@ -135,8 +135,7 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
       stored = quantize.boxed_stored(self.boxed_params, self.lora.base_precision)  # QLoRA: the quantised bytes
       report["memory/frozen_base_bytes_per_device"] = train_state_lib.bytes_per_device(
           partitioning.unbox(stored), self.frozen_shardings[lora_lib.BASE])
-      report["params/marker_rows"] = lora_lib.count(
-          {path: leaf for path, leaf in marker_rows.deltas(state_params).items()})
+      report["params/marker_rows"] = lora_lib.count(marker_rows.deltas(state_params))
     report.update(self.frozen_report())  # a reference, a teacher: laid out by the same rules, no optimizer state
     return report
 

@@ -1,0 +1,98 @@
+"""LoRA's marker rows (lora.LoraConfig.marker_rows, posttrain/marker_rows.py): the chat template's marker-token rows
+of the embedding and an untied lm_head train beside the adapters, start at the base, move only those rows, and every
+reader of a LoRA run merges them. The tiny base, configs and helpers are tests/test_finetune.py's."""
+
+import dataclasses
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.test_finetune import CHAT_MODEL, LORA, TINY, chat_sft_run, digest, model_params, random_params
+from tests.test_finetune import reverse_chat_data
+
+from t5x_like.data import chat
+from t5x_like.model import decoder as model_lib
+from t5x_like.parallel import partitioning
+from t5x_like.posttrain import lora
+from t5x_like.posttrain import marker_rows
+from t5x_like.recipes import experiment as experiment_lib
+from t5x_like.training import checkpointing
+from t5x_like.training import runtime as runtime_lib
+from t5x_like.training import trainer
+
+
+def test_marker_rows_start_at_the_base_and_move_only_their_rows():
+  """LoraConfig.marker_rows: zero deltas merge to the base bit for bit; trained deltas change exactly the marker
+  rows of the token embedding and the marker columns of an untied lm_head; the loss's gradient reaches them; a
+  count that does not match the ids is refused by name."""
+  cfg = dataclasses.replace(TINY, vocab_size=64, tie_embeddings=False, use_bias=False)
+  boxed = jax.eval_shape(lambda: model_lib.GPT(cfg).init(jax.random.key(0), np.zeros((1, 1), np.int32)))["params"]
+  base_params = random_params(partitioning.unbox(boxed), seed=3)
+  ids = (5, 9, 10)
+  adapters = partitioning.unbox(lora.init_run_adapters(jax.random.key(1), boxed, LORA, ids))
+  deltas = marker_rows.deltas(adapters)
+  assert {k: v.shape for k, v in deltas.items()} == {("token_embedding",): (3, 32), ("lm_head", "kernel"): (32, 3)}
+  assert digest(lora.merge(base_params, adapters, LORA.scale, marker_ids=ids)) == digest(base_params)
+  moved = flax.traverse_util.unflatten_dict({
+      **flax.traverse_util.flatten_dict(adapters),
+      ("token_embedding", marker_rows.MARKERS): jnp.ones((3, 32)),
+      ("lm_head", "kernel", marker_rows.MARKERS): jnp.ones((32, 3))})
+  merged = lora.merge(base_params, moved, LORA.scale, marker_ids=ids)
+  rows = np.any(np.asarray(merged["token_embedding"]) != base_params["token_embedding"], axis=1)
+  cols = np.any(np.asarray(merged["lm_head"]["kernel"]) != base_params["lm_head"]["kernel"], axis=0)
+  assert np.flatnonzero(rows).tolist() == list(ids) and np.flatnonzero(cols).tolist() == list(ids)
+  np.testing.assert_allclose(np.asarray(merged["token_embedding"])[list(ids)],
+                             base_params["token_embedding"][list(ids)] + 1, rtol=1e-6)
+  tokens = jnp.asarray([[5, 1, 9, 2, 10, 3]], jnp.int32)
+  attached = lambda a: lora.attach(base_params, a, LORA.scale, marker_ids=ids)
+  loss = lambda a: jnp.mean(model_lib.GPT(cfg).apply({"params": attached(a)}, tokens) ** 2)
+  grads = marker_rows.deltas(jax.grad(loss)(adapters))
+  # every marker row (lm_head: column) gets a gradient
+  assert all(float(jnp.abs(g).max(axis=0 if path == ("lm_head", "kernel") else 1).min()) > 0
+             for path, g in grads.items())
+  with pytest.raises(ValueError, match=r"'(token_embedding|lm_head/kernel)': 3 marker rows stored for 2 marker "
+                                       r"token ids"):
+    lora.merge(base_params, moved, LORA.scale, marker_ids=(5, 9))
+
+
+@pytest.mark.slow  # a chat dataset and a 4-step LoRA run (≈ 15 s on 2 cores)
+def test_lora_on_chat_data_trains_the_marker_rows_and_every_reader_merges_them(tmp_path):
+  """LoRA SFT on chat data: the template's four marker tokens' rows train (reported at start-up, recorded in the
+  checkpoint's metadata); the run's own restore, a plain Runtime (infer/evaluate/serve) and merge_checkpoint
+  (convert) all give the base with those rows, and only those, of the (non-target) tables changed (the system
+  marker's input row stays: this data has no system turn to give it a gradient)."""
+  data_dir, _, _ = reverse_chat_data(tmp_path / "chat", 64, 4, validation_fraction=0.1)
+  base_dir, model_dir = str(tmp_path / "base"), str(tmp_path / "lora")
+  run, opt = chat_sft_run(model_dir, data_dir, base_dir, 4)
+  run = dataclasses.replace(run, lora=LORA)
+  exp = experiment_lib.Experiment(run, CHAT_MODEL, opt)
+  tok = exp.load_tokenizer()
+  ids = tuple(sorted(tok.token_to_id(marker) for marker in chat.ChatTemplate().markers().values()))
+  assert exp.marker_ids == ids and len(ids) == 4
+  assert exp.startup_report()["params/marker_rows"] == 4 * CHAT_MODEL.d_model * 2  # embedding + untied head
+  base_params = model_params(exp, seed=0)
+  checkpointing.save_params(base_dir, base_params)
+  trainer.train(run, CHAT_MODEL, opt)
+  meta = checkpointing.read_metadata(checkpointing.resolve_checkpoint(model_dir, None)[1])
+  assert meta["lora"]["marker_ids"] == list(ids)
+  with exp.context():
+    exp.load_frozen(None, None)
+    own = jax.tree.map(np.asarray, exp.restore_params(None)[1])
+  plain = jax.tree.map(np.asarray, runtime_lib.Runtime(dataclasses.replace(run, lora=None), CHAT_MODEL)
+                       .restore_params(None)[1])
+  merged = checkpointing.restore_params(lora.merge_checkpoint(model_dir, str(tmp_path / "merged")))[1]
+  assert digest(plain) == digest(own)
+  read = tuple(sorted(tok.token_to_id(m) for m in (chat.ChatTemplate().user, chat.ChatTemplate().assistant,
+                                                    chat.ChatTemplate().end)))  # no system turn in this data
+  for params in (own, merged):  # every marker is a softmax column; only those the data holds are read as inputs
+    rows = np.any(params["token_embedding"] != base_params["token_embedding"], axis=1)
+    cols = np.any(params["lm_head"]["kernel"] != base_params["lm_head"]["kernel"], axis=0)
+    assert tuple(np.flatnonzero(rows)) == read and tuple(np.flatnonzero(cols)) == ids
+  np.testing.assert_allclose(merged["token_embedding"], own["token_embedding"], rtol=1e-6, atol=1e-7)
+  # a LoRA run checkpointed before marker rows existed (no lora.marker_ids) resumes without them
+  old_dir = str(tmp_path / "old")
+  checkpointing.save_params(old_dir, {"unused": np.zeros(1)}, 2, {"lora": {"base": base_dir, "rank": 4, "alpha": 8.0}})
+  assert experiment_lib.Experiment(dataclasses.replace(run, model_dir=old_dir), CHAT_MODEL, opt).marker_ids == ()
