@@ -205,6 +205,43 @@ def test_prompts_are_the_conversations_before_their_last_assistant_turn(chat_dat
     short.recipe.rollouts(short)
 
 
+def test_an_episode_whose_reward_fails_is_counted_and_dropped_never_trained_on(chat_data, tmp_path):
+  """A reward function that raises for one episode (so for its whole batch) or returns NaN for another: it is called
+  again one episode at a time, both episodes are dropped (weight 0, no part in their group's advantages) and
+  counted; one that raises on every episode is a one-line error."""
+  data_dir = chat_data[0]
+  refs = {}
+
+  @rewards.register("flaky_for_test")
+  def flaky(completions, references, prompts, *, config=None):
+    del completions, prompts, config
+    if refs["raise"] in references:
+      raise RuntimeError("tool timed out")
+    return [float("nan") if r == refs["nan"] else 1.0 for r in references]
+
+  exp = experiment_lib.Experiment(grpo_config(tmp_path, data_dir, "", reward="flaky_for_test"), MODEL, GRPO_OPT)
+  ro = exp.recipe.rollouts(exp)
+  indices = np.array([0, 1, 2, 3])
+  refs.update({"raise": ro.train.references[1], "nan": ro.train.references[2]})
+  assert len({ro.train.references[i] for i in indices}) == 4
+  completions = [ro.train.prompts[i][-3:] for i in indices]
+  values = ro.score(ro.train, indices, completions)
+  np.testing.assert_array_equal(np.isnan(values), [False, True, True, False])
+  episodes = rollout.Episodes(indices, [ro.train.prompts[i] for i in indices], completions, [[-1.0] * 3] * 4, values,
+                              0.0)
+  assert episodes.metrics()["rollout/dropped_episodes"] == 2 and episodes.metrics()["reward_mean"] == 1.0
+  rows = ro.rows_of(episodes, rollout.group_advantages(values, 4))
+  np.testing.assert_array_equal(rows["weights"].sum(axis=1) > 0, [True, False, False, True])
+  np.testing.assert_array_equal(rollout.group_advantages(np.array([1.0, np.nan, 0.0, 2.0]), 4),
+                                rollout.group_advantages(np.array([1.0, 0.0, 2.0]), 3)[[0, 0, 1, 2]] * [1, 0, 1, 1])
+  refs["raise"] = None
+  refs.update(nan=None)
+  with pytest.raises(ValueError, match=r"reward function 'flaky_for_test' raised on every episode: RuntimeError: "
+                                       r"tool timed out"):
+    refs["raise"] = ro.train.references[0]
+    ro.score(ro.train, np.array([0, 0]), completions[:2])
+
+
 def test_bad_grpo_configurations_are_one_line_errors_naming_the_key(chat_data, corpus, tmp_path):
   (data_dir, _, _), sft_dir = chat_data, ""
   for objective, message in [
@@ -241,6 +278,7 @@ def test_grpo_raises_the_held_out_reward_and_a_resumed_run_repeats_the_same_roll
   first = logged(tmp_path / "grpo")
   assert first[GRPO_STEPS]["reward_mean"] >= first[5]["reward_mean"] + 0.1  # the samples improve too
   assert first[GRPO_STEPS]["kl"] == 0.0 and first[GRPO_STEPS]["clip_fraction"] < 0.05
+  assert all(r["rollout/logprob_gap"] <= 1e-5 for r in first.values())  # the engine's numbers are the trainer's
   rewound = conftest.rewind(tmp_path / "grpo", tmp_path / "resumed", 30)
   trainer.train(dataclasses.replace(config, model_dir=rewound), MODEL, GRPO_OPT)
   second = logged(rewound)

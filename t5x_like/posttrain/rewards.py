@@ -1,4 +1,4 @@
-"""Reward functions for GRPO, by name (GrpoConfig.reward).
+"""Reward functions for GRPO and PPO, by name (GrpoConfig.reward, PpoConfig.reward).
 
 A reward function maps one rollout batch to one float per completion:
 
@@ -41,14 +41,14 @@ def registered() -> tuple:
   return tuple(sorted(_REGISTRY))
 
 
-def get(name: str) -> RewardFn:
-  """The reward function registered as `name`.
+def get(name: str, owner: str = "GrpoConfig") -> RewardFn:
+  """The reward function registered as `name` (the setting `owner`.reward: GrpoConfig, PpoConfig).
 
   Raises:
-    ValueError: one line naming GrpoConfig.reward, the name and the registered ones.
+    ValueError: one line naming <owner>.reward, the name and the registered ones.
   """
   if name not in _REGISTRY:
-    raise ValueError(f"GrpoConfig.reward={name!r} is not a registered reward function (registered: "
+    raise ValueError(f"{owner}.reward={name!r} is not a registered reward function (registered: "
                      f"{', '.join(registered())}); register one with @t5x_like.posttrain.rewards.register({name!r})")
   return _REGISTRY[name]
 
@@ -63,11 +63,12 @@ def exact_match(completions, references, prompts, *, config=None):
 def format_match(completions, references, prompts, *, config):
   del references, prompts
   if not config.reward_format:
-    raise ValueError("GrpoConfig.reward='format' needs the regex GrpoConfig.reward_format")
+    name = type(config).__name__
+    raise ValueError(f"{name}.reward='format' needs the regex {name}.reward_format")
   try:
     pattern = re.compile(config.reward_format, re.DOTALL)
   except re.error as e:
-    raise ValueError(f"GrpoConfig.reward_format={config.reward_format!r} is not a valid regex: {e}") from None
+    raise ValueError(f"{type(config).__name__}.reward_format={config.reward_format!r} is not a valid regex: {e}") from None
   return [float(pattern.fullmatch(c.strip()) is not None) for c in completions]
 
 
@@ -79,8 +80,9 @@ def reward_model(completions, references, prompts, *, config, sequences, mesh):
   (checkpoint, mesh) onto the training mesh."""
   del completions, references, prompts
   if not config.reward_checkpoint:
-    raise ValueError("GrpoConfig.reward='reward_model' needs GrpoConfig.reward_checkpoint, a reward model's "
-                     "MODEL_DIR (configs/runs/reward.gin)")
+    name = type(config).__name__
+    raise ValueError(f"{name}.reward='reward_model' needs {name}.reward_checkpoint, a reward model's MODEL_DIR "
+                     "(configs/runs/reward.gin)")
   key = (config.reward_checkpoint, mesh)
   if key not in _SCORERS:
     _SCORERS[key] = reward_scoring.RewardModelScorer(config.reward_checkpoint, mesh=mesh)

@@ -1,5 +1,6 @@
-"""GRPO rollouts on the training mesh: prompts from a chat DATA_DIR, G samples each from the inference engine,
-rewards from a registered function, group-relative advantages, and the rollout batch the GRPO step trains on.
+"""Rollouts on the training mesh (GRPO, PPO): prompts from a chat DATA_DIR, G samples each from the inference
+engine, rewards from a registered function; for GRPO, group-relative advantages and the batch its step trains on
+(PPO's batches: posttrain/ppo_rollout.py).
 
 Prompts. Every conversation of a chat DATA_DIR (`preprocess --format=chat`) is one prompt: its tokens up to
 the last assistant turn (ending with the assistant marker, exactly as `infer --chat` prompts), and that turn's
@@ -16,13 +17,22 @@ Rows. Row g of group p is prompt p followed by its g-th completion (up to and in
 all max_new_tokens when it never stopped), right-padded to SEQ_LEN + 1 tokens; loss weight 1 on the
 completion's tokens. Advantages: A = (r − mean(group)) / (std(group) + 1e-4) (std with Bessel's correction,
 as TRL computes it), on every position of the row.
+
+Failed rewards. An episode whose reward function raised for it or returned a NaN or infinity is dropped: its row
+keeps loss weight 0 and it takes no part in its group's statistics; `rollout/dropped_episodes` counts them.
+
+Numerics. `rollout/logprob_gap` is the largest |engine log-prob − trainer log-prob| over the sampled tokens of
+the batch: the engine decodes with the trainer's model and parameters on the same mesh, so the two differ only by
+the KV cache's other shapes (measured in tests/test_engine.py and tests/test_ppo.py).
 """
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
+from absl import logging
 import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
 from t5x_like.data import chat
@@ -31,6 +41,7 @@ from t5x_like.inference import chat_eval
 from t5x_like.inference import engine as engine_lib
 from t5x_like.inference.sampling import SamplingParams
 from t5x_like.posttrain import rewards as rewards_lib
+from t5x_like.training import logprobs as logprobs_lib
 
 ADVANTAGE_EPS = 1e-4
 
@@ -105,11 +116,15 @@ def schedule(num_prompts: int, step: int, per_step: int, seed: int) -> np.ndarra
 
 
 def group_advantages(rewards: np.ndarray, group_size: int) -> np.ndarray:
-  """(r − group mean) / (group std + 1e-4) per completion; rows of one group are consecutive."""
+  """(r − group mean) / (group std + 1e-4) per completion; rows of one group are consecutive. A NaN reward (a
+  dropped episode) takes no part in its group's statistics and gets advantage 0."""
   grouped = rewards.reshape(-1, group_size).astype(np.float64)
-  mean = grouped.mean(axis=1, keepdims=True)
-  std = grouped.std(axis=1, ddof=1, keepdims=True)
-  return ((grouped - mean) / (std + ADVANTAGE_EPS)).reshape(-1).astype(np.float32)
+  kept = np.isfinite(grouped)
+  count = kept.sum(axis=1, keepdims=True)
+  mean = np.where(kept, grouped, 0.0).sum(axis=1, keepdims=True) / np.maximum(count, 1)
+  var = np.where(kept, (grouped - mean) ** 2, 0.0).sum(axis=1, keepdims=True) / np.maximum(count - 1, 1)
+  advantages = np.where(kept & (count > 1), (grouped - mean) / (np.sqrt(var) + ADVANTAGE_EPS), 0.0)
+  return advantages.reshape(-1).astype(np.float32)
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -136,16 +151,63 @@ def rollout_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequenc
           "advantages": np.repeat(advantages[:, None], seq_len, axis=1).astype(np.float32)}
 
 
-class Rollouts:
-  """An Experiment's GRPO rollouts: `train_step` samples, scores and trains one step; `evaluate` scores greedy
-  answers to the validation prompts."""
+def completion_token_gap(trainer_logps: np.ndarray, weights: np.ndarray, engine_logps: Sequence) -> float:
+  """rollout/logprob_gap: the largest |engine log-prob − trainer log-prob| over the sampled tokens of rollout rows
+  (rollout_rows' layout: row i's weighted positions predict completion i's tokens, in order)."""
+  sampled = np.concatenate([np.asarray(lp, np.float64) for lp in engine_logps] or [np.zeros(0)])
+  trainer = trainer_logps[weights > 0]
+  if trainer.shape != sampled.shape:
+    raise ValueError(f"{sampled.size} sampled tokens against {trainer.size} weighted rollout positions")
+  return float(np.abs(trainer - sampled).max()) if sampled.size else 0.0
 
-  def __init__(self, exp):
+
+def host_fn(exp, fn: Callable, in_shardings) -> Callable:
+  """jax.jit of `fn` on the run's mesh, its outputs replicated and returned as NumPy arrays on every process."""
+  jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=NamedSharding(exp.mesh, P()))
+
+  def call(*args):
+    with exp.context():
+      out = jitted(*args)
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), out)
+  return call
+
+
+@dataclasses.dataclass
+class Episodes:
+  """One rollout: row i is prompt `indices[i]` of the train split followed by its sampled completion."""
+  indices: np.ndarray
+  prompts: list
+  completions: list  # token lists, each up to and including its stop token
+  logprobs: list  # the engine's log-prob of each completion token
+  rewards: np.ndarray  # (rows,) float64; NaN where the reward function failed (the episode is dropped)
+  seconds: float  # sampling + scoring
+
+  @property
+  def dropped(self) -> np.ndarray:
+    return ~np.isfinite(self.rewards)
+
+  def metrics(self) -> dict:
+    kept = self.rewards[~self.dropped]
+    return {"reward_mean": float(kept.mean()) if kept.size else 0.0,
+            "reward_std": float(kept.std()) if kept.size else 0.0,
+            "response_length": float(np.mean([len(c) for c in self.completions])),
+            "sampled_logp": float(np.mean([lp for row in self.logprobs for lp in row])),
+            "rollout/dropped_episodes": float(self.dropped.sum()), "rollout_seconds": self.seconds}
+
+
+class Rollouts:
+  """A run's rollouts (GRPO, PPO): `collect` samples and scores one rollout batch of `rows` completions from the
+  current parameters, `batch` makes GRPO's training batch of it; `evaluate` scores greedy answers to the
+  validation prompts."""
+
+  def __init__(self, exp, rows: int = 0):
+    """rows: completions per rollout (default BATCH_SIZE), recipe_config.num_generations for each prompt."""
     self.exp = exp
     config = exp.config
     self.objective_config = config.recipe_config
     self.group = config.recipe_config.num_generations
-    self.per_step = config.batch_size // self.group
+    self.rows = rows or config.batch_size
+    self.per_step = self.rows // self.group
     self.reward_fn = rewards_lib.get(config.recipe_config.reward)
     self.encoder = chat_eval.encoder_for(exp, chat.ChatTemplate())
     self.stop_ids = (self.encoder.marker_ids["end"], self.encoder.tokenizer.eos_id)
@@ -153,11 +215,13 @@ class Rollouts:
                                       max_new_tokens=config.recipe_config.max_new_tokens)
     self.train = read("train")
     if not self.train.prompts:
-      raise ValueError(f"DATA_DIR '{config.data_dir}' split 'train' has no usable GRPO prompt (skipped: "
-                       f"{self.train.skipped}); raise SEQ_LEN or lower GrpoConfig.max_new_tokens")
+      raise ValueError(f"DATA_DIR '{config.data_dir}' split 'train' has no usable {config.recipe.upper()} prompt "
+                       f"(skipped: {self.train.skipped}); raise SEQ_LEN or lower "
+                       f"{type(self.objective_config).__name__}.max_new_tokens")
     self.validation = read("validation") if "validation" in exp.manifest["splits"] else None
     self.width = max(len(p) for p in self.train.prompts + (self.validation.prompts if self.validation else []))
     self.engine = None  # made at the first rollout, then reused with each step's parameters: one compile
+    self._trainer_logps = None
 
   def sample(self, params, prompts: Sequence[Sequence[int]], *, n: int, seed: int, temperature: float,
              top_k: int) -> tuple:
@@ -167,8 +231,7 @@ class Rollouts:
     if self.engine is None:
       cache_len = min(self.exp.model_config.max_len, self.width + self.objective_config.max_new_tokens)
       self.engine = engine_lib.Engine(self.exp.model_config, params, self.exp.mesh, self.exp.rules,
-                                      slots=self.exp.config.batch_size, cache_len=cache_len,
-                                      pad_id=self.encoder.tokenizer.pad_id)
+                                      slots=self.rows, cache_len=cache_len, pad_id=self.encoder.tokenizer.pad_id)
     self.engine.params = params
     sampling = SamplingParams(max_tokens=self.objective_config.max_new_tokens, temperature=temperature, top_k=top_k,
                               stop_token_ids=self.stop_ids)
@@ -176,6 +239,10 @@ class Rollouts:
     return [c.tokens for c in out], [c.logprobs for c in out]
 
   def score(self, prompt_set: PromptSet, indices, completions) -> np.ndarray:
+    """One reward per completion, NaN for an episode the reward function failed on (raised for it, or returned a
+    NaN or infinity): it is counted and dropped, never trained on. A function that raises on a batch is called
+    again one episode at a time, so only the episodes it fails on are dropped; one that raises on all of them is
+    an error (its message in one line)."""
     texts = [self.encoder.completion_text(c) for c in completions]
     extra = {}
     if getattr(self.reward_fn, "wants_sequences", False):  # a reward model reads tokens, through the end marker
@@ -183,50 +250,81 @@ class Rollouts:
       body = lambda c: c[:-1] if c and c[-1] in self.stop_ids else c
       extra = {"mesh": self.exp.mesh,
                "sequences": [prompt_set.prompts[i] + body(c) + [end] for i, c in zip(indices, completions)]}
-    values = self.reward_fn(texts, [prompt_set.references[i] for i in indices],
-                            [prompt_set.texts[i] for i in indices], config=self.objective_config, **extra)
-    values = np.asarray(values, np.float64).reshape(-1)
-    if values.shape != (len(completions),) or not np.all(np.isfinite(values)):
-      raise ValueError(f"reward function {self.objective_config.reward!r} returned {values.shape[0]} values "
-                       f"({'some not finite' if values.size == len(completions) else 'wrong count'}) for "
-                       f"{len(completions)} completions")
-    return values
+    call = lambda rows: self.reward_fn([texts[i] for i in rows], [prompt_set.references[indices[i]] for i in rows],
+                                       [prompt_set.texts[indices[i]] for i in rows], config=self.objective_config,
+                                       **{k: v if k == "mesh" else [v[i] for i in rows] for k, v in extra.items()})
+    name = self.objective_config.reward
+    try:
+      values = np.asarray(call(range(len(completions))), np.float64).reshape(-1)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("reward function %r raised %s: %s; scoring one episode at a time", name, type(e).__name__, e)
+      values = np.array([self._one(call, i) for i in range(len(completions))], np.float64)
+      if not np.isfinite(values).any():  # it fails on everything: a broken or misconfigured function, not episodes
+        raise ValueError(f"reward function {name!r} raised on every episode: {type(e).__name__}: {e}") from e
+    if values.shape != (len(completions),):
+      raise ValueError(f"reward function {name!r} returned {values.shape[0]} values for {len(completions)} "
+                       "completions")
+    return np.where(np.isfinite(values), values, np.nan)
+
+  def _one(self, call, i: int) -> float:
+    try:
+      return float(np.asarray(call([i]), np.float64).reshape(-1)[0])
+    except Exception:  # pylint: disable=broad-except
+      return float("nan")
+
+  def collect(self, params, index: int) -> Episodes:
+    """Rollout `index` (1-based; GRPO's optimizer step): its prompts (schedule) sampled with step_seed(SEED,
+    index) from `params`, and scored."""
+    t0 = time.perf_counter()
+    chosen = schedule(len(self.train.prompts), index, self.per_step, self.exp.config.seed)
+    indices = np.repeat(chosen, self.group)
+    completions, logprobs = self.sample(params, [self.train.prompts[i] for i in chosen], n=self.group,
+                                        seed=step_seed(self.exp.config.seed, index),
+                                        temperature=self.objective_config.temperature,
+                                        top_k=self.objective_config.top_k)
+    rewards = self.score(self.train, indices, completions)
+    return Episodes(indices, [self.train.prompts[i] for i in indices], completions, logprobs, rewards,
+                    time.perf_counter() - t0)
+
+  def rows_of(self, episodes: Episodes, advantages: np.ndarray) -> dict:
+    """The rollout rows (numpy, whole batch) of `episodes`, a dropped episode's row with weight 0."""
+    rows = rollout_rows(episodes.prompts, episodes.completions, advantages, self.exp.config.seq_len,
+                        self.encoder.tokenizer.pad_id)
+    rows["weights"][episodes.dropped] = 0.0
+    return rows
+
+  def trainer_logps(self, params, batch) -> np.ndarray:
+    """log π(target) (B, L) of a global batch under `params` by the trainer's own forward pass, on the host."""
+    if self._trainer_logps is None:
+      exp = self.exp
+      self._trainer_logps = host_fn(exp, lambda p, b: logprobs_lib.model_token_logps(exp.model.apply, p, b),
+                                    (exp.state_shardings.params, {k: exp.batch_sharding for k in batch}))
+    return self._trainer_logps(params, batch)
+
+  def logprob_gap(self, params, batch, weights: np.ndarray, episodes: Episodes, trainer=None) -> float:
+    """rollout/logprob_gap of the kept episodes: the engine's log-probs against the trainer's (`trainer`, or a
+    forward pass of `params` on the global `batch`)."""
+    if trainer is None:
+      trainer = self.trainer_logps(params, {k: batch[k] for k in ("inputs", "targets", "positions", "segment_ids")})
+    return completion_token_gap(trainer, weights, [lp for lp, d in zip(episodes.logprobs, episodes.dropped) if not d])
 
   def batch(self, params, step: int):
     """(global rollout batch, host metrics) for optimizer step `step` (1-based) from the current parameters."""
-    t0 = time.perf_counter()
-    config = self.exp.config
-    chosen = schedule(len(self.train.prompts), step, self.per_step, config.seed)
-    indices = np.repeat(chosen, self.group)
-    prompts = [self.train.prompts[i] for i in indices]
-    completions, logprobs = self.sample(params, [self.train.prompts[i] for i in chosen], n=self.group,
-                                        seed=step_seed(config.seed, step),
-                                        temperature=self.objective_config.temperature,
-                                        top_k=self.objective_config.top_k)
-    values = self.score(self.train, indices, completions)
-    advantages = group_advantages(values, self.group)
-    rows = rollout_rows(prompts, completions, advantages, config.seq_len, self.encoder.tokenizer.pad_id)
-    batch = self.exp.global_batch(self._process_rows(rows))  # on-policy: no old log-probs (objectives/grpo.py)
-    grouped = values.reshape(-1, self.group)
-    metrics = {"reward_mean": float(values.mean()), "reward_std": float(values.std()),
-               "reward_group_std": float(grouped.std(axis=1).mean()),
-               "groups_without_signal": float(np.mean(grouped.std(axis=1) == 0)),
-               "response_length": float(np.mean([len(c) for c in completions])),
-               "sampled_logp": float(np.mean([lp for row in logprobs for lp in row])),
-               "rollout_seconds": time.perf_counter() - t0}
-    return batch, metrics
+    episodes = self.collect(params, step)
+    advantages = group_advantages(episodes.rewards, self.group)
+    rows = self.rows_of(episodes, advantages)
+    batch = self.exp.global_batch(self.process_rows(rows))  # on-policy: no old log-probs (posttrain/grpo.py)
+    gap = self.logprob_gap(params, batch, rows["weights"], episodes)
+    grouped = episodes.rewards.reshape(-1, self.group)
+    return batch, {**episodes.metrics(), "reward_group_std": float(np.nanstd(grouped, axis=1).mean()),
+                   "groups_without_signal": float(np.mean(~(np.nanstd(grouped, axis=1) > 0))),
+                   "rollout/logprob_gap": gap}
 
-  def _process_rows(self, rows: dict) -> dict:
+  def process_rows(self, rows: dict) -> dict:
     """This process's rows of a global batch every process built whole (consecutive blocks per process)."""
-    per = self.exp.config.batch_size // jax.process_count()
+    per = rows["inputs"].shape[0] // jax.process_count()
     first = jax.process_index() * per
     return {k: v[first:first + per] for k, v in rows.items()}
-
-  def train_step(self, jitted_step, state, step: int, frozen):
-    """One GRPO optimizer step: rollouts from `state.params`, then the jitted step on them."""
-    batch, host = self.batch(state.params, step)
-    state, metrics = jitted_step(state, batch, frozen)
-    return state, {**metrics, **host}
 
   def evaluate(self, params) -> dict:
     """Greedy answers to the validation prompts (DataConfig.eval_batches × BATCH_SIZE of them, else all),

@@ -1,10 +1,11 @@
-"""What the recipes share: the recipe protocol, the reference model of DPO and GRPO, the DATA_DIR format check,
-the pair checks."""
+"""What the recipes share: the recipe protocol, the reference model of DPO, GRPO and PPO, the rollout settings of
+GRPO and PPO, the DATA_DIR format check, the pair checks."""
 
 import dataclasses
 
 from t5x_like.posttrain import frozen_models
 from t5x_like.posttrain import preference
+from t5x_like.posttrain import rewards
 from t5x_like.training import config as config_lib
 
 Recipe = config_lib.Recipe  # the protocol every recipe config follows (defaults: language modelling's)
@@ -12,14 +13,18 @@ Recipe = config_lib.Recipe  # the protocol every recipe config follows (defaults
 
 @dataclasses.dataclass(frozen=True)
 class ReferenceConfig(Recipe):
-  """Methods trained against a frozen reference model (DPO/IPO, GRPO's KL term), when their objective reads one
-  (`needs_reference`: not SimPO, not GRPO without its KL term)."""
+  """Methods trained against a frozen reference model (DPO/IPO, GRPO's KL term, PPO's KL penalty), when they read
+  one (`needs_reference`: not SimPO, not GRPO or PPO without their KL term)."""
   # the frozen reference model (REFERENCE_CHECKPOINT_PATH): a MODEL_DIR, checkpoints/<step> or converted checkpoint;
   # '' = CheckpointConfig.warm_start_from (INITIAL_CHECKPOINT_PATH)
   reference_checkpoint: str = ""
 
+  def needs_reference(self, run) -> bool:
+    """Whether the run reads the reference (default: when its objective does)."""
+    return getattr(run.model_objective, "needs_reference", False)
+
   def frozen_models(self, run) -> tuple:
-    if not getattr(run.model_objective, "needs_reference", False):
+    if not self.needs_reference(run):
       return ()
     loss = getattr(run.model_objective, "loss_type", run.config.recipe)
     return (frozen_models.Frozen(
@@ -27,6 +32,42 @@ class ReferenceConfig(Recipe):
         what="reference model (REFERENCE_CHECKPOINT_PATH)",
         missing=f"the {loss} loss needs a reference model: set REFERENCE_CHECKPOINT_PATH "
                 f"({type(self).__name__}.reference_checkpoint) or INITIAL_CHECKPOINT_PATH"),)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig(ReferenceConfig):
+  """Methods that train on their own samples (GRPO, PPO): prompts of a chat DATA_DIR answered by the engine on the
+  training mesh and scored by a registered reward function (posttrain/rollout.py)."""
+  num_generations: int = 1  # samples per prompt
+  reward: str = "exact_match"  # a registered reward function (posttrain/rewards.py): exact_match, format, reward_model
+  reward_format: str = ""  # the `format` reward's regex: 1 when the whole completion matches it
+  reward_checkpoint: str = ""  # the `reward_model` reward: a reward model's MODEL_DIR (configs/runs/reward.gin)
+  max_new_tokens: int = 16  # rollout length budget per completion
+  temperature: float = 1.0  # rollout sampling temperature (evaluation is greedy)
+  top_k: int = 0  # rollout sampling: only the k most likely tokens (0 = all)
+
+  def check_rollouts(self, run, what: str, rows: int) -> None:
+    """The checks every rollout method makes: a chat DATA_DIR, `rows` completions per rollout in whole groups,
+    room for max_new_tokens, no sequence-length warmup, a registered reward.
+
+    Raises:
+      ValueError: one line naming the setting.
+    """
+    config = run.config
+    if run.manifest is not None and run.manifest.get("format") != "chat":
+      raise ValueError(f"{what} samples answers to the prompts of a chat DATA_DIR (python -m t5x_like.preprocess "
+                       f"--format=chat): DATA_DIR '{config.data_dir}' has format "
+                       f"{run.manifest.get('format', 'text')!r}")
+    name = type(self).__name__
+    if rows % self.num_generations:
+      raise ValueError(f"BATCH_SIZE={config.batch_size} is not a multiple of {name}.num_generations="
+                       f"{self.num_generations} (BATCH_SIZE = prompts per step × samples per prompt)")
+    if self.max_new_tokens < 1 or self.max_new_tokens > config.seq_len:
+      raise ValueError(f"{name}.max_new_tokens={self.max_new_tokens} must be in [1, SEQ_LEN={config.seq_len}]")
+    if config.curriculum.enabled():
+      raise ValueError(f"{what} with a sequence-length warmup (CurriculumConfig): rollout rows are not cut; turn "
+                       "the warmup off")
+    rewards.get(self.reward, name)  # an unregistered name is an error now, not after the first rollout
 
 
 def check_format(run, expected: str, what: str) -> None:

@@ -1,0 +1,81 @@
+"""PPO (InstructGPT's RLHF): rollouts of a chat DATA_DIR's prompts scored by a reward model or a registered reward
+function, a per-token KL penalty to a frozen reference in the reward, GAE over a value head on the policy, and
+several epochs of clipped policy and value updates over minibatches of each rollout (posttrain/ppo.py, batches in
+posttrain/ppo_rollout.py). Gin: configs/runs/ppo.gin.
+
+The critic is a scalar head on the policy's trunk (model/heads.ScoredGPT), warm-started with the policy from
+INITIAL_CHECKPOINT_PATH (an SFT model; the head starts at zero) and trained with it: one model, one optimizer,
+one checkpoint, which `infer` and `convert` read as the policy.
+"""
+
+import dataclasses
+import functools
+
+from t5x_like.model import decoder
+from t5x_like.posttrain import ppo
+from t5x_like.posttrain import ppo_rollout
+from t5x_like.posttrain import preference
+from t5x_like.recipes import base
+from t5x_like.training import logprobs
+
+NAME = "TrainConfig.recipe='ppo'"
+
+
+@dataclasses.dataclass(frozen=True)
+class PpoConfig(base.RolloutConfig):
+  """PPO (gin: `ppo.PpoConfig`). Each rollout holds BATCH_SIZE × num_minibatches completions (num_generations per
+  prompt) and trains ppo_epochs × num_minibatches optimizer steps of BATCH_SIZE rows each."""
+  kl_coef: float = 0.05  # per-token KL penalty to the frozen reference, inside the reward (0 = no reference loaded)
+  clip_epsilon: float = 0.2  # the policy ratio is clipped to [1 − ε, 1 + ε]
+  value_clip: float = 0.2  # a value is clipped to the rollout's value ± this in the value loss
+  vf_coef: float = 0.1  # the value loss's weight beside the policy loss
+  gamma: float = 1.0  # GAE discount
+  lam: float = 0.95  # GAE λ
+  ppo_epochs: int = 4  # passes over each rollout
+  num_minibatches: int = 1  # optimizer steps per pass (each of BATCH_SIZE rows)
+  scored_model = True  # the policy carries the value head (a class constant, not a gin setting)
+
+  def needs_reference(self, run) -> bool:
+    del run
+    return self.kl_coef > 0
+
+  def make_objective(self, run, *, loss_scaled: bool):
+    del loss_scaled
+    for name in ("ppo_epochs", "num_minibatches"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"PpoConfig.{name}={getattr(self, name)} must be >= 1")
+    for name in ("gamma", "lam"):
+      if not 0 <= getattr(self, name) <= 1:
+        raise ValueError(f"PpoConfig.{name}={getattr(self, name)} must be in [0, 1]")
+    if self.kl_coef < 0:
+      raise ValueError(f"PpoConfig.kl_coef={self.kl_coef} must be >= 0")
+    if run.config.use_lora:
+      raise ValueError(f"{NAME} with LoRA (LoraConfig.rank > 0): the value head would not train; use full or "
+                       "selective fine-tuning")
+    self.check_rollouts(run, NAME, run.config.batch_size * self.num_minibatches)
+    return ppo.Ppo(ppo.value_head_forward(run.model.apply, run.model_config), clip_epsilon=self.clip_epsilon, value_clip=self.value_clip,
+                   vf_coef=self.vf_coef)
+
+  def rollouts(self, run) -> ppo_rollout.PpoRollouts:
+    """The run's rollouts and the minibatches of each, built once per run."""
+    forward = ppo.value_head_forward(run.model.apply, run.model_config)
+    reference = decoder.GPT(run.model_config).apply  # the reference has no value head
+
+    def stats(params, frozen, batch):
+      logits, values, _ = forward(params, batch)
+      ref = (logprobs.model_token_logps(reference, frozen[preference.REFERENCE], batch)
+             if preference.REFERENCE in frozen else None)
+      return logprobs.token_logps(logits, batch["targets"]), values, ref
+    return run.part("rollouts", lambda: ppo_rollout.PpoRollouts(run, stats))
+
+  def batches(self, run, next_batch):
+    """Each step's minibatch, of a rollout sampled from the parameters its cycle starts from."""
+    del next_batch
+    return lambda step: functools.partial(self.rollouts(run).batch, step=step)
+
+  def evaluate(self, run, params) -> dict:
+    """Greedy answers to the validation prompts, scored by the reward function (and exact match)."""
+    return self.rollouts(run).rollouts.evaluate(params)
+
+
+CONFIG = PpoConfig
