@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole post-training pipeline on built-in and generated data, one command a stage (docs/alignment.md):
 #   pre-train (the Python standard library's source) → SFT (a generated chat task) → reward model and DPO
-#   (preference pairs of the same task) → GRPO with a verifiable reward (exact match) and with the learned reward.
+#   (preference pairs of the same task) → GRPO with a verifiable reward (exact match) and with the learned reward →
+#   PPO with the learned reward, a value head and a KL penalty (RLHF as InstructGPT trained it).
 # Each stage prints its held-out figures; the numbers in docs/alignment.md come from this script on a 2-core CPU.
 #
 #   bash bench/alignment_pipeline.sh [WORK_DIR]        (≈ 30 min on 2 CPU cores; a WORK_DIR whose base/ exists keeps it)
@@ -68,4 +69,14 @@ python -m t5x_like.train "${GRPO[@]}" --gin.MODEL_DIR="'$W/rlhf'" --gin.TRAIN_ST
 echo "GRPO (learned reward), held-out prompts:"
 evaluate "${GRPO[@]}" --gin.MODEL_DIR="'$W/rlhf'" --gin.GRPO_REWARD="'reward_model'" \
   --gin.grpo.GrpoConfig.reward_checkpoint="'$W/rm'"
+
+stage "7. PPO with the learned reward (RLHF: value head, per-token KL penalty), from the SFT model"
+PPO=(--gin_file=$M --gin_file=configs/runs/ppo.gin "${F32[@]}" --gin.DATA_DIR="'$W/chat'"
+     --gin.INITIAL_CHECKPOINT_PATH="'$W/sft'" --gin.SEQ_LEN=64 --gin.BATCH_SIZE=32 --gin.PPO_MINIBATCHES=2
+     --gin.PPO_EPOCHS=2 --gin.PPO_MAX_NEW_TOKENS=16 --gin.PPO_REWARD="'reward_model'"
+     --gin.REWARD_CHECKPOINT_PATH="'$W/rm'" --gin.data.DataConfig.eval_batches=4)
+echo "SFT model, held-out prompts (greedy), learned reward:"; evaluate "${PPO[@]}" --gin.MODEL_DIR="'$W/sft'"
+python -m t5x_like.train "${PPO[@]}" --gin.MODEL_DIR="'$W/ppo'" --gin.TRAIN_STEPS=120 --gin.EVAL_EVERY=40 \
+  --gin.optimizer.OptimizerConfig.learning_rate=2e-4 --gin.optimizer.OptimizerConfig.warmup_steps=10
+echo "PPO (learned reward), held-out prompts:"; evaluate "${PPO[@]}" --gin.MODEL_DIR="'$W/ppo'"
 stage "done"

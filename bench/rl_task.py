@@ -10,7 +10,7 @@ prompts), then trained from that checkpoint with each method and the exact-match
 The held-out prompts (the chat DATA_DIR's validation split) are answered greedily every --eval_every rollouts.
 tests/test_grpo.py and tests/test_ppo.py run shorter versions of the same recipes.
 
-  python bench/rl_task.py [--sft_steps 40] [--steps 40] [--group 8] [--prompts 16] [--methods grpo,ppo]
+  python bench/rl_task.py [--sft_steps 80] [--steps 40] [--group 8] [--prompts 16] [--methods grpo,ppo]
 """
 
 import argparse
@@ -88,7 +88,7 @@ def run_method(method: str, args, data_dir: str, sft_dir: str, root: str) -> dic
   config = config_lib.TrainConfig(
       model_dir=model_dir, data_dir=data_dir, train_steps=steps, batch_size=batch, seq_len=32, log_every=1,
       eval_every=every, checkpoint_every=steps, mesh_shape={"data": -1},
-      data=data_lib.DataConfig(eval_batches=max(1, 64 // batch), shuffle_buffer=256),
+      data=data_lib.DataConfig(eval_batches=max(1, 128 // batch), shuffle_buffer=256),
       checkpoint=checkpointing.CheckpointConfig(async_save=False, warm_start_from=sft_dir, warm_start_required=True),
       recipe=method, recipe_config=recipe)
   opt = optimizer_lib.OptimizerConfig(learning_rate=lr, warmup_steps=10, decay="constant", weight_decay=0.0)
@@ -117,7 +117,7 @@ def run_method(method: str, args, data_dir: str, sft_dir: str, root: str) -> dic
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--sft_steps", type=int, default=40)
+  parser.add_argument("--sft_steps", type=int, default=80)
   parser.add_argument("--steps", type=int, default=40, help="rollouts of each method")
   parser.add_argument("--group", type=int, default=8)
   parser.add_argument("--prompts", type=int, default=16)
