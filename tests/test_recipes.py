@@ -19,6 +19,7 @@ from t5x_like.posttrain import lora
 from t5x_like.posttrain import preference
 from t5x_like.recipes import dpo as dpo_recipe
 from t5x_like.recipes import grpo as grpo_recipe
+from t5x_like.recipes import online_dpo as online_dpo_recipe
 from t5x_like.recipes import ppo as ppo_recipe
 from t5x_like.training import checkpointing
 from t5x_like.training import config as config_lib
@@ -27,7 +28,7 @@ from t5x_like.training import trainer
 
 
 def test_every_recipe_module_is_found_by_name_and_an_unknown_one_is_a_one_line_error():
-  assert {"language_model", "dpo", "reward", "grpo", "distill", "ppo"} <= set(recipes.RECIPES)
+  assert {"language_model", "dpo", "reward", "grpo", "distill", "ppo", "online_dpo"} <= set(recipes.RECIPES)
   assert recipes.get("dpo").CONFIG is dpo_recipe.DpoConfig
   with pytest.raises(ValueError, match=r"TrainConfig.recipe='rlhf' is not a recipe \(t5x_like/recipes/: distill, dpo"):
     recipes.get("rlhf")
@@ -45,6 +46,8 @@ RUN = ["MODEL_DIR = '/tmp/x'", "DATA_DIR = '/tmp/d'"]
                               "REWARD_CHECKPOINT_PATH = '/rm'", "INITIAL_CHECKPOINT_PATH = '/b'"],
      ppo_recipe.PpoConfig(kl_coef=0.1, ppo_epochs=2, reward="reward_model", reward_checkpoint="/rm",
                           max_new_tokens=32)),
+    ("configs/runs/online_dpo.gin", ["DPO_BETA = 0.2", "REWARD_CHECKPOINT_PATH = '/rm'", "INITIAL_CHECKPOINT_PATH = '/b'"],
+     online_dpo_recipe.OnlineDpoConfig(beta=0.2, reward="reward_model", reward_checkpoint="/rm", max_new_tokens=32)),
     ("configs/runs/pretrain.gin", [], config_lib.LanguageModelConfig()),
 ])
 def test_a_run_file_picks_its_recipe_and_binds_its_config_under_the_recipe_name(gin_file, bindings, expected):

@@ -70,8 +70,10 @@ def conversation_prompts(tokens: np.ndarray, weights: np.ndarray, eos_id: int):
 
 
 def read_prompts(data_dir: str, split: str, *, seq_len: int, encoder: chat.ChatEncoder,
-                 max_new_tokens: int) -> PromptSet:
-  """Every conversation of `split` as a prompt and its reference (see the module docstring)."""
+                 max_new_tokens: int, row_tokens: int = 0) -> PromptSet:
+  """Every conversation of `split` as a prompt and its reference (see the module docstring); a prompt is kept when
+  it and max_new_tokens fit `row_tokens` (default SEQ_LEN + 1, a whole row)."""
+  row_tokens = row_tokens or seq_len + 1
   out = PromptSet([], [], [], {"cut_by_row_length": 0, "no_room_for_max_new_tokens": 0, "no_assistant_turn": 0})
   eos_id = encoder.tokenizer.eos_id
   ds = input_pipeline.make_dataset(data_dir, split, batch_size=64, seq_len=seq_len, shuffle=False, repeat=False,
@@ -93,7 +95,7 @@ def read_prompts(data_dir: str, split: str, *, seq_len: int, encoder: chat.ChatE
           out.skipped["no_assistant_turn"] += 1
           continue
         prompt, reference = found
-        if len(prompt) + max_new_tokens > seq_len + 1:
+        if len(prompt) + max_new_tokens > row_tokens:
           out.skipped["no_room_for_max_new_tokens"] += 1
           continue
         out.prompts.append([int(t) for t in prompt])
@@ -200,8 +202,9 @@ class Rollouts:
   current parameters, `batch` makes GRPO's training batch of it; `evaluate` scores greedy answers to the
   validation prompts."""
 
-  def __init__(self, exp, rows: int = 0):
-    """rows: completions per rollout (default BATCH_SIZE), recipe_config.num_generations for each prompt."""
+  def __init__(self, exp, rows: int = 0, row_tokens: int = 0):
+    """rows: completions per rollout (default BATCH_SIZE), recipe_config.num_generations for each prompt;
+    row_tokens: the most tokens a prompt and its completion may take (default SEQ_LEN + 1)."""
     self.exp = exp
     config = exp.config
     self.objective_config = config.recipe_config
@@ -212,7 +215,7 @@ class Rollouts:
     self.encoder = chat_eval.encoder_for(exp, chat.ChatTemplate())
     self.stop_ids = (self.encoder.marker_ids["end"], self.encoder.tokenizer.eos_id)
     read = lambda split: read_prompts(config.data_dir, split, seq_len=config.seq_len, encoder=self.encoder,
-                                      max_new_tokens=config.recipe_config.max_new_tokens)
+                                      max_new_tokens=config.recipe_config.max_new_tokens, row_tokens=row_tokens)
     self.train = read("train")
     if not self.train.prompts:
       raise ValueError(f"DATA_DIR '{config.data_dir}' split 'train' has no usable {config.recipe.upper()} prompt "
