@@ -38,9 +38,10 @@ def define_flags():
   f.DEFINE_multi_string("input", None, "Input glob(s): *.jsonl/*.json, plain text (each optionally .gz/.zst), "
                         "*.parquet, *.html, *.tfrecord, or a datasets.save_to_disk folder.")
   f.DEFINE_string("output_dir", None, "DATA_DIR to write (local or gs://...).")
-  f.DEFINE_enum("format", "text", ["text", "chat", "preference"], "text: documents; chat: JSON-lines conversations "
-                "({messages: [{role, content}]} or {prompt, completion}) with per-token loss weights; preference: "
-                "JSON-lines pairs {prompt, chosen, rejected} for DPO, rows of whole pairs (needs --pack_length).")
+  f.DEFINE_enum("format", "text", ["text", "chat", "preference", "unpaired"], "text: documents; chat: JSON-lines "
+                "conversations ({messages: [{role, content}]} or {prompt, completion}) with per-token loss weights; "
+                "preference: JSON-lines pairs {prompt, chosen, rejected} for DPO, rows of whole pairs (needs "
+                "--pack_length); unpaired: JSON-lines {prompt, completion, label: true|false} for KTO.")
   f.DEFINE_string("tokenizer", None, "Existing tokenizer to use instead of training one: a SentencePiece "
                   ".model, an HF tokenizer.json or an HF folder (tokenizer.json + tokenizer_config.json), "
                   "or a DATA_DIR (its tokenizer). --format=chat needs one: the base model's.")

@@ -3,7 +3,9 @@ losses and gradients against NumPy, data×fsdp×tensor and pipeline layouts equa
 preference task learnt (held-out pairwise accuracy raised), and bad input named in one line."""
 
 import dataclasses
+import json
 import math
+import os
 
 import flax.linen as nn
 import gin
@@ -14,12 +16,14 @@ import pytest
 import tensorflow as tf
 
 from tests import test_parallelism as layouts
-from tests.test_dpo import L_SMALL, OPT, SMALL, TINY, bigram, host_params, numpy_logps, prefs, run_config, \
+from tests.test_dpo import L_SMALL, OPT, SEQ, SMALL, TINY, WORDS, bigram, host_params, numpy_logps, prefs, run_config, \
   synthetic_pair_batch, tiny_pairs  # pylint: disable=unused-import  (prefs: a fixture)
 
 from t5x_like import cli
 from t5x_like import recipes
 from t5x_like.data import packing
+from t5x_like.data import preference_synth
+from t5x_like.data import preprocessing
 from t5x_like.data import preference as preference_data
 from t5x_like.parallel import partitioning
 from t5x_like.posttrain import kto
@@ -290,3 +294,86 @@ def test_training_raises_held_out_pairwise_accuracy(method, prefs, tmp_path):
   assert after["eval/rewards/accuracies"] >= 0.85
   assert after["eval/logps/chosen"] > before["eval/logps/chosen"]
   assert after["eval/rewards/margins"] > before["eval/rewards/margins"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# KTO on unpaired thumbs-up / thumbs-down data (preprocess --format=unpaired).
+
+EMPTY = (np.zeros(0, np.int32), np.zeros(0, np.int32))
+
+
+def test_kto_on_unpaired_examples_equals_numpy_over_the_examples_present():
+  """Each example sits in its label's slot of a pair (desirable: chosen, undesirable: rejected, the other empty);
+  the loss is the mean over the examples of their value-function losses, z0 their mean log-ratio."""
+  sides = [side for pair in tiny_pairs(3) for side in (pair.chosen, pair.rejected)][:7]
+  labels = [True, False, False, True, True, False, True]
+  examples = [preference_data.Pair(s, EMPTY) if good else preference_data.Pair(EMPTY, s)
+              for s, good in zip(sides, labels)]
+  rows = preference_data.pack_pairs_np(examples, L_SMALL + 1, pad_id=0)
+  batch = {k: v.numpy() for k, v in packing.row_features(tf.constant(rows)).items()}
+  max_pairs = int(rows[:, packing.SEGMENTS].max() + 1) // 2
+  policy, reference = tables(seed=4)
+  r = np.array([numpy_logps(policy, *s)[0] - numpy_logps(reference, *s)[0] for s in sides])
+  z0 = max(0.0, float(r.mean()))
+  sig = lambda x: 1 / (1 + np.exp(-x))
+  losses = np.where(labels, LAMBDA_D * (1 - sig(BETA * (r - z0))), LAMBDA_U * (1 - sig(BETA * (z0 - r))))
+  objective = kto.Kto(bigram, beta=BETA, desirable_weight=LAMBDA_D, undesirable_weight=LAMBDA_U, max_pairs=max_pairs)
+  loss, weight, metrics = jax.jit(objective.loss)({"table": policy}, batch, {kto.REFERENCE: {"table": reference}})
+  assert float(weight) == 3.5  # half the examples
+  assert float(loss) / float(weight) == pytest.approx(losses.mean(), rel=1e-5)
+  assert float(metrics["kl"]) / float(weight) == pytest.approx(z0, rel=1e-5)
+  assert float(metrics["rewards/chosen"]) == pytest.approx(BETA * r[np.array(labels)].sum(), rel=1e-5)
+  assert float(metrics["rewards/rejected"]) == pytest.approx(BETA * r[~np.array(labels)].sum(), rel=1e-5)
+  assert float(metrics["rewards/accuracies"]) == 0.0  # no whole pair
+
+
+def unpaired_lines(pairs_file: str, path: str, extra=()) -> str:
+  """Each preference pair of `pairs_file` as two labelled examples (chosen: true, rejected: false), + `extra`."""
+  with open(pairs_file) as f, open(path, "w") as out:
+    for line in f:
+      pair = json.loads(line)
+      for key, label in (("chosen", True), ("rejected", False)):
+        out.write(json.dumps({"prompt": pair["prompt"], "completion": pair[key], "label": label}) + "\n")
+    out.writelines(json.dumps(e) + "\n" for e in extra)
+  return path
+
+
+@pytest.fixture(scope="module")
+def unpaired(prefs, corpus, tmp_path_factory):
+  """(an unpaired DATA_DIR of the reversal task's examples + two unlabelled lines, its report)."""
+  root = tmp_path_factory.mktemp("unpaired")
+  pairs_file = preference_synth.write_synthetic_preferences(str(root / "raw"), count=600, words=WORDS, distractors=3,
+                                                            num_words=4, seed=1)
+  lines = unpaired_lines(pairs_file, str(root / "examples.jsonl"),
+                         extra=[{"prompt": "a", "completion": "b"}, {"prompt": "a", "completion": "b", "label": "yes"}])
+  report = preprocessing.preprocess([lines], str(root / "ds"), data_format="unpaired", tokenizer=corpus,
+                                    pack_length=SEQ + 1, validation_fraction=0.1, num_train_shards=2)
+  return str(root / "ds"), report
+
+
+def test_an_unpaired_data_dir_counts_lines_without_a_label_and_only_kto_reads_it(unpaired, corpus, tmp_path):
+  data_dir, report = unpaired
+  assert report["dropped"]["malformed_missing_key"] == 1 and report["dropped"]["malformed_wrong_shape"] == 1
+  with open(os.path.join(data_dir, "manifest.json")) as f:
+    assert json.load(f)["unpaired"] is True
+  with pytest.raises(ValueError, match=r"TrainConfig.recipe='dpo' trains on pairs: DATA_DIR .* holds unpaired "
+                                       r"examples \(preprocess --format=unpaired\), which only TrainConfig.recipe='kto'"):
+    experiment_lib.Experiment(run_config(tmp_path / "d", data_dir), TINY, OPT)
+  no_labels = tmp_path / "no_labels.jsonl"
+  no_labels.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+  with pytest.raises(ValueError, match=r"No labelled examples left in 1 input file\(s\) .*missing key 'label'"):
+    preprocessing.preprocess([str(no_labels)], str(tmp_path / "x"), data_format="unpaired", tokenizer=corpus,
+                             pack_length=SEQ + 1)
+
+
+@pytest.mark.slow  # a 10-step run through trainer.train (≈ 30 s on 2 loaded cores)
+def test_kto_on_unpaired_examples_raises_held_out_pairwise_accuracy(unpaired, prefs, tmp_path):
+  """10 KTO steps on the unpaired examples (thumbs up / down, each pair's two answers as separate lines of other
+  prompts than the pairs'), evaluated on the paired DATA_DIR's held-out pairs: accuracy from chance to ≥ 0.85."""
+  base_dir = str(tmp_path / "base")
+  checkpointing.save_params(base_dir, host_params(TINY, seed=0))
+  trainer.train(recipe_run(tmp_path / "kto", unpaired[0], "kto", base=base_dir, train_steps=10), TINY, OPT)
+  on_pairs = experiment_lib.Experiment(recipe_run(tmp_path / "kto", prefs[0], "kto", base=base_dir), TINY, OPT)
+  after = on_pairs.evaluate_checkpoint()
+  print({k: round(v, 3) for k, v in after.items() if k.startswith("eval/")})
+  assert after["eval/rewards/accuracies"] >= 0.85 and after["eval/rewards/margins"] > 0

@@ -13,6 +13,12 @@ pipeline reads them as they are, never re-cutting a row. A row holds whole pairs
 segments: pair k of a row is segment 2k+1 (prompt + chosen) followed by segment 2k+2 (prompt + rejected).
 A pair is never split across rows; padding is segment 0. The manifest records `max_pairs_per_row`, the
 largest number of pairs in any row, which bounds the objective's per-row pair count.
+
+Unpaired examples (`preprocess --format=unpaired`, KTO's thumbs-up / thumbs-down data): a line is
+{"prompt": P, "completion": C, "label": true|false}. An example is a pair with one side empty: a desirable one
+(label true) takes its pair's chosen segment 2k+1 and leaves 2k+2 empty, an undesirable one the rejected segment
+2k+2, so the label is where the example sits and the rows are read like pairs. The manifest records
+"unpaired": true; only objectives that read one side at a time (KTO) accept such a DATA_DIR.
 """
 
 from __future__ import annotations
@@ -61,6 +67,24 @@ def _response(value, key: str) -> str:
                            "\"content\": str}]")
 
 
+def parse_prompt(prompt) -> list[tuple[str, str]]:
+  """The messages of a line's "prompt": a string (one user turn) or a message list in the chat format.
+
+  Raises:
+    chat.MalformedLine: another shape (wrong_shape), a message with empty content (empty_content).
+  """
+  if isinstance(prompt, str):
+    messages = [("user", prompt)]
+  elif isinstance(prompt, list):
+    messages = chat._messages(prompt, "prompt")  # pylint: disable=protected-access  (the chat format's own check)
+  else:
+    raise chat.MalformedLine("wrong_shape", "'prompt' must be a string or a list of messages")
+  for i, (role, content) in enumerate(messages):
+    if not content.strip():
+      raise chat.MalformedLine("empty_content", f"prompt message {i} ({role}) has empty content")
+  return messages
+
+
 def parse_pair(obj) -> tuple[list[tuple[str, str]], str, str]:
   """(prompt messages, chosen text, rejected text) of one decoded JSON line.
 
@@ -74,17 +98,8 @@ def parse_pair(obj) -> tuple[list[tuple[str, str]], str, str]:
   missing = [k for k in KEYS if k not in obj]
   if missing:
     raise chat.MalformedLine("missing_key", f"missing key {', '.join(repr(k) for k in missing)}")
-  prompt = obj["prompt"]
-  if isinstance(prompt, str):
-    messages = [("user", prompt)]
-  elif isinstance(prompt, list):
-    messages = chat._messages(prompt, "prompt")  # pylint: disable=protected-access  (the chat format's own check)
-  else:
-    raise chat.MalformedLine("wrong_shape", "'prompt' must be a string or a list of messages")
+  messages = parse_prompt(obj["prompt"])
   chosen, rejected = _response(obj["chosen"], "chosen"), _response(obj["rejected"], "rejected")
-  for i, (role, content) in enumerate(messages):
-    if not content.strip():
-      raise chat.MalformedLine("empty_content", f"prompt message {i} ({role}) has empty content")
   for key, text in (("chosen", chosen), ("rejected", rejected)):
     if not text.strip():
       raise chat.MalformedLine("empty_content", f"'{key}' is empty")
@@ -107,6 +122,32 @@ def render_pair(encoder: chat.ChatEncoder, obj) -> Pair:
   return Pair(render_side(encoder, messages, chosen), render_side(encoder, messages, rejected))
 
 
+UNPAIRED_KEYS = ("prompt", "completion", "label")
+_EMPTY = (np.zeros(0, np.int32), np.zeros(0, np.int32))
+
+
+def render_example(encoder: chat.ChatEncoder, obj) -> Pair:
+  """An unpaired example {"prompt", "completion", "label"} as a pair with one side empty (the module docstring).
+
+  Raises:
+    chat.MalformedLine: a missing key (missing_key: a line without its label among them), a label that is not
+      true or false (wrong_shape), an empty prompt or completion (empty_content).
+  """
+  if not isinstance(obj, dict):
+    raise chat.MalformedLine("wrong_shape", f"a JSON {type(obj).__name__}, not an object with 'prompt', "
+                             "'completion' and 'label'")
+  missing = [k for k in UNPAIRED_KEYS if k not in obj]
+  if missing:
+    raise chat.MalformedLine("missing_key", f"missing key {', '.join(repr(k) for k in missing)}")
+  if not isinstance(obj["label"], bool):
+    raise chat.MalformedLine("wrong_shape", f"'label' must be true or false, got {obj['label']!r}")
+  messages, completion = parse_prompt(obj["prompt"]), _response(obj["completion"], "completion")
+  if not completion.strip():
+    raise chat.MalformedLine("empty_content", "'completion' is empty")
+  side = render_side(encoder, messages, completion)
+  return Pair(side, _EMPTY) if obj["label"] else Pair(_EMPTY, side)
+
+
 @dataclasses.dataclass
 class PreferencePairs:
   """The pairs read from JSON-lines files, with what was dropped and why."""
@@ -115,8 +156,10 @@ class PreferencePairs:
   malformed_lines: list = dataclasses.field(default_factory=list)  # "file:line: reason: detail", first few
 
 
-def read_pairs(files: Sequence[tuple[str, str]], encoder: chat.ChatEncoder, max_tokens: int) -> PreferencePairs:
-  """Parses and renders every JSON line of `files` ((name, text) each).
+def read_pairs(files: Sequence[tuple[str, str]], encoder: chat.ChatEncoder, max_tokens: int,
+               unpaired: bool = False) -> PreferencePairs:
+  """Parses and renders every JSON line of `files` ((name, text) each): pairs, or with `unpaired` labelled
+  examples (`render_example`).
 
   A pair longer than `max_tokens` (both sides, EOS included) does not fit a row and is counted as
   dropped_too_long; every other unusable line as dropped_malformed_<reason>, the first few named by
@@ -126,7 +169,7 @@ def read_pairs(files: Sequence[tuple[str, str]], encoder: chat.ChatEncoder, max_
   for where, line in chat.json_lines(files):
     out.counts["documents_in"] += 1
     try:
-      pair = render_pair(encoder, chat.load_line(line))
+      pair = (render_example if unpaired else render_pair)(encoder, chat.load_line(line))
     except chat.MalformedLine as e:
       chat.count_malformed(out.counts, out.malformed_lines, where, e, "preference")
       continue

@@ -200,18 +200,20 @@ def preprocess_chat(inputs: Sequence[str] | str, output_dir: str, *, tokenizer: 
 def preprocess_preference(inputs: Sequence[str] | str, output_dir: str, *, tokenizer: str | None,
                           template: chat.ChatTemplate = chat.ChatTemplate(), num_train_shards: int = 4,
                           num_validation_shards: int = 1, validation_fraction: float = 0.01, seed: int = 0,
-                          pack_length: int | None = None, dedup: bool = True) -> dict:
+                          pack_length: int | None = None, dedup: bool = True, unpaired: bool = False) -> dict:
   """Builds a preference DATA_DIR (format "preference", see `data/preference.py`) from JSON lines
-  {"prompt", "chosen", "rejected"}: rows of `pack_length` (= SEQ_LEN + 1) tokens holding whole pairs.
+  {"prompt", "chosen", "rejected"}: rows of `pack_length` (= SEQ_LEN + 1) tokens holding whole pairs; with
+  `unpaired`, from labelled examples {"prompt", "completion", "label"} (KTO's data; manifest "unpaired": true).
 
   Malformed lines (bad JSON, a missing key, chosen == rejected, empty text, ...) are counted by reason and
   the first few named by file:line; pairs longer than a row are dropped (dropped_too_long); exact
   duplicate pairs are dropped.
   """
+  what = "unpaired" if unpaired else "preference"
   if tokenizer and not pack_length:
-    raise ValueError("--format=preference needs --pack_length=SEQ_LEN+1: its rows hold whole pairs")
-  files, tok, texts, counts = read_json_lines_inputs(inputs, tokenizer, "preference", "the policy's")
-  result = preference.read_pairs(texts, chat.ChatEncoder(tok, template), pack_length)
+    raise ValueError(f"--format={what} needs --pack_length=SEQ_LEN+1: its rows hold whole pairs")
+  files, tok, texts, counts = read_json_lines_inputs(inputs, tokenizer, what, "the policy's")
+  result = preference.read_pairs(texts, chat.ChatEncoder(tok, template), pack_length, unpaired=unpaired)
   counts.update(result.counts)
   pairs, seen = [], set()
   for pair in result.pairs:
@@ -221,9 +223,10 @@ def preprocess_preference(inputs: Sequence[str] | str, output_dir: str, *, token
     seen.add(pair.digest())
     pairs.append(pair)
   if not pairs:
-    raise ValueError(f"No preference pairs left in {len(files)} input file(s) (dropped: "
+    raise ValueError(f"No {'labelled examples' if unpaired else 'preference pairs'} left in {len(files)} input "
+                     f"file(s) (dropped: "
                      f"{data_dir.by_prefix(counts, 'dropped_')}; first: {result.malformed_lines[:1]})")
-  extra = {"inputs": len(files), "chat_template": dataclasses.asdict(template)}
+  extra = {"inputs": len(files), "chat_template": dataclasses.asdict(template), **({"unpaired": True} if unpaired else {})}
   path, manifest, splits, most = preference.write_data_dir(
       output_dir, tok, pairs, pack_length=pack_length, validation_fraction=validation_fraction, seed=seed,
       num_train_shards=num_train_shards, num_validation_shards=num_validation_shards, counts=counts, extra=extra)
@@ -276,7 +279,8 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
     data_format: "text", or "chat": conversations with loss weights (`preprocess_chat`, which
       takes chat_template, train_on_prompt, max_tokens; needs `tokenizer`; no cleaning or cache).
       "preference": {"prompt", "chosen", "rejected"} pairs (`preprocess_preference`: chat_template,
-      pack_length required, `tokenizer` required).
+      pack_length required, `tokenizer` required). "unpaired": {"prompt", "completion", "label"} examples for
+      KTO, written as a preference DATA_DIR whose pairs have one side each.
     order_by: None / "none": the seeded shard plan. "length" (tokens, EOS included) or "field:NAME"
       (the numeric JSON field NAME of each line; JSON-lines input only, every line needs it): the
       train split is written sorted ascending by that score, ties by content hash, dealt round-robin
@@ -293,16 +297,16 @@ def preprocess(inputs: Sequence[str] | str, output_dir: str, *, vocab_size: int 
     raise ValueError(f"--validation_fraction must be in [0, 1), got {validation_fraction}")
   if pack_length is not None and pack_length < 2:
     raise ValueError(f"--pack_length must be >= 2, got {pack_length}")
-  if data_format not in shard_writer.FEATURES:
-    raise ValueError(f"--format must be one of {sorted(shard_writer.FEATURES)}, got '{data_format}'")
+  if data_format not in (*shard_writer.FEATURES, "unpaired"):
+    raise ValueError(f"--format must be one of {sorted([*shard_writer.FEATURES, 'unpaired'])}, got '{data_format}'")
   order = ordering.parse_order_by(order_by)
-  if data_format == "preference":
+  if data_format in ("preference", "unpaired"):
     if order is not None:
-      raise ValueError(f"--order_by={order_by} is not supported with --format=preference")
+      raise ValueError(f"--order_by={order_by} is not supported with --format={data_format}")
     report = preprocess_preference(inputs, output_dir, tokenizer=tokenizer, template=chat_template,
                                    num_train_shards=num_train_shards, num_validation_shards=num_validation_shards,
                                    validation_fraction=validation_fraction, seed=seed, pack_length=pack_length,
-                                   dedup=cleaning.dedup)
+                                   dedup=cleaning.dedup, unpaired=data_format == "unpaired")
     elapsed = time.time() - t0
     report.update(time_s=round(elapsed, 3), tokens_per_s=round(report["tokens"] / max(elapsed, 1e-9)))
     return report

@@ -1,8 +1,9 @@
-"""KTO (Ethayarajh et al. 2024): Kahneman–Tversky optimisation against a frozen reference, on preference pairs
-read as labelled examples (each pair's chosen response desirable, its rejected one undesirable, as TRL's
-conversion of paired data does).
+"""KTO (Ethayarajh et al. 2024): Kahneman–Tversky optimisation against a frozen reference, on labelled examples:
+unpaired thumbs-up / thumbs-down data (`preprocess --format=unpaired`), or preference pairs read as two examples
+(each pair's chosen response desirable, its rejected one undesirable, as TRL's conversion of paired data does).
 
-A batch holds rows of whole pairs (data/preference.py, the layout DPO reads). Per response y to prompt x, with
+A batch holds rows in the pair layout DPO reads (data/preference.py); an unpaired example is a pair slot with one
+side present: the chosen side for a desirable example, the rejected side for an undesirable one. Per response y to prompt x, with
 r(y) = log π(y|x) − log π_ref(y|x) (summed over the response tokens) and z0 the KL reference point:
 
   desirable y:    λ_D · (1 − σ(β · (r(y) − z0)))
@@ -18,11 +19,13 @@ the same log-ratio the mismatched estimate averages, taken on the data's respons
 the mean over the batch the loss sees: the whole global batch across devices (any layout equals one device),
 one microbatch at a time under gradient accumulation (as TRL, per accumulation step).
 
-Sums over pairs: (Σ loss, number of pairs, metrics), a pair's loss the mean of its two examples' (so the step's
-Σ / Σ weight is TRL's mean over examples, each pair giving one of each label). Metrics, TRL's names: kl (z0),
-rewards/chosen and rewards/rejected (β·r), rewards/margins, rewards/accuracies (the chosen reward above the
-rejected: held-out pairwise accuracy; a tie counts 1/2, so a policy equal to its reference scores 0.5),
-logps/chosen and logps/rejected (the policy's summed log-probs).
+Sums: (½ Σ loss over the examples present, ½ the number of examples, metrics): per pair of paired data the mean
+of its two examples' losses and a weight of 1, so the step's Σ / Σ weight is TRL's mean over examples in both
+cases. Metrics, TRL's names, as sums the step divides by that weight (per pair, for paired data): kl (z0),
+rewards/chosen and rewards/rejected (β·r of the desirable and the undesirable examples), rewards/margins and
+rewards/accuracies (of whole pairs only: the chosen reward above the rejected, held-out pairwise accuracy; a tie
+counts 1/2, so a policy equal to its reference scores 0.5; 0 on unpaired data), logps/chosen and logps/rejected
+(the policy's summed log-probs).
 """
 
 import dataclasses
@@ -38,21 +41,24 @@ from t5x_like.training.objectives import language_model
 REFERENCE = preference.REFERENCE  # the frozen reference model's key in `frozen`
 
 
-def kl_estimate(log_ratios, valid: jax.Array) -> jax.Array:
-  """z0: max(0, the mean log-ratio over the valid pairs' responses), a scalar without gradient.
+def kl_estimate(log_ratios, present) -> jax.Array:
+  """z0: max(0, the mean log-ratio over the responses present), a scalar without gradient.
 
-  log_ratios: (chosen, rejected) r, each (B, P); valid: (B, P), 1 where the row slot holds a pair.
+  log_ratios: (chosen, rejected) r, each (B, P); present: (chosen, rejected), each (B, P), 1 where the row slot
+  holds that response.
   """
-  total = jnp.sum((log_ratios[0] + log_ratios[1]) * valid)
-  return jax.lax.stop_gradient(jnp.maximum(total / jnp.maximum(2.0 * jnp.sum(valid), 1.0), 0.0))
+  total = jnp.sum(log_ratios[0] * present[0] + log_ratios[1] * present[1])
+  count = jnp.sum(present[0] + present[1])
+  return jax.lax.stop_gradient(jnp.maximum(total / jnp.maximum(count, 1.0), 0.0))
 
 
-def pair_losses(beta: float, desirable_weight: float, undesirable_weight: float, log_ratios, z0):
-  """Per-pair loss (B, P): the mean of the chosen (desirable) and rejected (undesirable) responses' losses."""
+def pair_losses(beta: float, desirable_weight: float, undesirable_weight: float, log_ratios, z0, present):
+  """Per-slot loss (B, P): half the sum of the present chosen (desirable) and rejected (undesirable) responses'
+  losses (a pair's mean; half an unpaired example's)."""
   chosen, rejected = log_ratios
   desirable = desirable_weight * (1.0 - jax.nn.sigmoid(beta * (chosen - z0)))
   undesirable = undesirable_weight * (1.0 - jax.nn.sigmoid(beta * (z0 - rejected)))
-  return 0.5 * (desirable + undesirable)
+  return 0.5 * (desirable * present[0] + undesirable * present[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,15 +98,16 @@ class Kto:
     reference = jax.tree.map(jax.lax.stop_gradient,
                              preference.sequence_logps(self.apply_fn, frozen[REFERENCE], batch, self.max_pairs)[0])
     lengths = logprobs.pair_sums(batch["weights"], batch["segment_ids"], self.max_pairs)
-    valid = ((lengths[0] > 0) & (lengths[1] > 0)).astype(jnp.float32)  # a pair present in this row slot
+    present = tuple((n > 0).astype(jnp.float32) for n in lengths)  # (chosen, rejected) in each row slot
+    paired = present[0] * present[1]
     log_ratios = (policy[0] - reference[0], policy[1] - reference[1])
-    z0 = kl_estimate(log_ratios, valid)
-    losses = pair_losses(self.beta, self.desirable_weight, self.undesirable_weight, log_ratios, z0)
+    z0 = kl_estimate(log_ratios, present)
+    losses = pair_losses(self.beta, self.desirable_weight, self.undesirable_weight, log_ratios, z0, present)
     rc, rr = self.beta * log_ratios[0], self.beta * log_ratios[1]
-    total = lambda x: jnp.sum(x * valid)
+    weight = 0.5 * jnp.sum(present[0] + present[1])  # pairs (paired data); half the examples (unpaired)
     metrics = {
-        "kl": z0 * jnp.sum(valid), "rewards/chosen": total(rc), "rewards/rejected": total(rr),
-        "rewards/margins": total(rc - rr), "rewards/accuracies": total(logprobs.above(rc, rr)),
-        "logps/chosen": total(policy[0]), "logps/rejected": total(policy[1]),
+        "kl": z0 * weight, "rewards/chosen": jnp.sum(rc * present[0]), "rewards/rejected": jnp.sum(rr * present[1]),
+        "rewards/margins": jnp.sum((rc - rr) * paired), "rewards/accuracies": jnp.sum(logprobs.above(rc, rr) * paired),
+        "logps/chosen": jnp.sum(policy[0] * present[0]), "logps/rejected": jnp.sum(policy[1] * present[1]),
     }
-    return total(losses), jnp.sum(valid), metrics
+    return jnp.sum(losses), weight, metrics

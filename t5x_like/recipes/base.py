@@ -78,13 +78,17 @@ def check_format(run, expected: str, what: str) -> None:
                      f"DATA_DIR '{run.config.data_dir}' has format {manifest.get('format', 'text')!r}")
 
 
-def check_pairs(run, loss_scaled: bool, what: str) -> int:
-  """The checks of a method trained on preference pairs (DPO family, reward model); returns the pairs a row holds.
+def check_pairs(run, loss_scaled: bool, what: str, unpaired_ok: bool = False) -> int:
+  """The checks of a method trained on preference pairs (DPO family, reward model; KTO with `unpaired_ok` also on
+  unpaired examples); returns the pairs a row holds.
 
   Raises:
     ValueError: one line naming the setting that does not fit pairs.
   """
   check_format(run, "preference", what)
+  if (run.manifest or {}).get("unpaired") and not unpaired_ok:
+    raise ValueError(f"{what} trains on pairs: DATA_DIR '{run.config.data_dir}' holds unpaired examples "
+                     "(preprocess --format=unpaired), which only TrainConfig.recipe='kto' reads")
   if run.config.curriculum.enabled():
     raise ValueError(f"{what} with a sequence-length warmup (CurriculumConfig): cutting rows would split pairs; "
                      "turn the warmup off")
