@@ -1,0 +1,105 @@
+"""Exact resume through the CLI for the methods that train on their own samples and on pairs: a DPO, a GRPO and a
+PPO run launched with `python -m t5x_like.train` and killed with -9 after a checkpoint redo the lost steps bit for
+bit when relaunched (the same losses, gradient norms and, for GRPO and PPO, the same rollouts' rewards). PPO is
+killed inside a rollout cycle (3 updates per rollout, checkpoints every 4 steps), so the relaunch reads that
+cycle's rollout back from MODEL_DIR."""
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests import conftest
+from tests.test_dpo import SEQ as DPO_SEQ
+from tests.test_dpo import prefs  # pylint: disable=unused-import  (a fixture)
+from tests.test_dpo import run_config as dpo_run_config
+from tests.test_finetune import OPT, REPO, TINY, model_params, run_config
+from tests.test_grpo import chat_data  # pylint: disable=unused-import  (a fixture)
+
+from t5x_like.observe import metrics as metrics_lib
+from t5x_like.posttrain import ppo_rollout
+from t5x_like.recipes import experiment as experiment_lib
+from t5x_like.training import checkpointing
+
+STEPS, EVERY = 24, 4
+# a random base answers nothing right: reward the samples that contain an "e" (about half), so every step moves
+FORMAT = "--gin.{}.reward_format='.*e.*'"
+SIZE = {"num_layers": 1, "d_model": 32, "num_heads": 2, "d_ff": 64}
+METHODS = {  # gin file, its flags, which data, SEQ_LEN, the logged keys that must repeat
+    "dpo": (["--gin_file=configs/runs/dpo.gin", "--gin.BATCH_SIZE=8"], "prefs", DPO_SEQ, ("loss", "grad_norm")),
+    "grpo": (["--gin_file=configs/runs/grpo.gin", "--gin.BATCH_SIZE=16", "--gin.GRPO_GROUP=4", "--gin.GRPO_KL=0.05",
+              "--gin.GRPO_MAX_NEW_TOKENS=6", "--gin.GRPO_REWARD='format'", FORMAT.format("grpo.GrpoConfig")],
+             "chat", 32, ("loss", "grad_norm", "reward_mean", "response_length")),
+    "ppo": (["--gin_file=configs/runs/ppo.gin", "--gin.BATCH_SIZE=16", "--gin.PPO_EPOCHS=3",
+             "--gin.PPO_MAX_NEW_TOKENS=6", "--gin.PPO_REWARD='format'", FORMAT.format("ppo.PpoConfig")],
+            "chat", 32, ("loss", "grad_norm", "value_loss", "reward_mean")),
+}
+
+
+def _launch(method, model_dir, data_dir, base_dir):
+  flags, _, seq_len, _ = METHODS[method]
+  args = [sys.executable, "-m", "t5x_like.train", "--gin_file=configs/models/gpt_tiny.gin", *flags,
+          f"--gin.MODEL_DIR='{model_dir}'", f"--gin.DATA_DIR='{data_dir}'", f"--gin.INITIAL_CHECKPOINT_PATH='{base_dir}'",
+          f"--gin.TRAIN_STEPS={STEPS}", "--gin.LOG_EVERY=1", "--gin.EVAL_EVERY=0", f"--gin.CHECKPOINT_EVERY={EVERY}",
+          f"--gin.SEQ_LEN={seq_len}", "--gin.MESH_SHAPE={'pipeline': 1, 'data': 2, 'fsdp': 1, 'tensor': 1}",
+          "--gin.model.GPTConfig.dtype='float32'", f"--gin.model.GPTConfig.max_len={seq_len}",
+          "--gin.data.DataConfig.eval_batches=1", "--gin.data.DataConfig.shuffle_buffer=64",
+          "--gin.optimizer.OptimizerConfig.learning_rate=1e-3"]
+  args += [f"--gin.model.GPTConfig.{k}={v}" for k, v in SIZE.items()]
+  env = dict(os.environ, XLA_FLAGS=conftest.xla_flags(2), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  log = open(f"{model_dir}.log", "ab")
+  return subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _records(model_dir) -> dict:
+  """{step: [its logged training record, once per launch that logged it]}."""
+  out = {}
+  if os.path.exists(os.path.join(model_dir, "metrics.jsonl")):
+    for r in metrics_lib.read_metrics(str(model_dir)):
+      if "loss" in r:
+        out.setdefault(r["step"], []).append(r)
+  return out
+
+
+@pytest.mark.slow  # end to end: two CLI launches per method (≈ 30 s each on 2 cores)
+@pytest.mark.parametrize("method", ["dpo", "grpo", "ppo"])
+def test_kill_9_then_resume_redoes_the_lost_steps_bit_for_bit(method, prefs, chat_data, tmp_path):
+  data_dir = prefs[0] if METHODS[method][1] == "prefs" else chat_data[0]
+  seq_len = METHODS[method][2]
+  config = (dpo_run_config if method == "dpo" else run_config)("unused", data_dir, seq_len=seq_len)
+  exp = experiment_lib.Experiment(config, dataclasses.replace(TINY, max_len=seq_len, **SIZE), OPT)
+  base_dir = str(tmp_path / "base")
+  checkpointing.save_params(base_dir, model_params(exp, seed=5))
+  killed = str(tmp_path / method)
+  proc = _launch(method, killed, data_dir, base_dir)
+  deadline = time.time() + 240
+
+  def replayable() -> bool:  # a committed checkpoint and >= 2 steps logged after it: the relaunch redoes them
+    steps = checkpointing.committed_steps(killed) if os.path.isdir(checkpointing.checkpoint_dir(killed)) else []
+    if method == "ppo":  # the checkpoint must lie inside a cycle (3 updates each): step 4, 8, 16 or 20
+      steps = [s for s in steps if s % 3]
+    return bool(steps) and max(_records(killed), default=0) >= steps[-1] + 2
+
+  while not replayable() and proc.poll() is None:
+    assert time.time() < deadline, "the run made no progress"
+    time.sleep(0.005)
+  proc.send_signal(signal.SIGKILL)
+  assert proc.wait(timeout=60) == -signal.SIGKILL, open(killed + ".log").read()[-2000:]  # it finished first?
+  resumed_from = checkpointing.committed_steps(killed)[-1]
+  if method == "ppo":
+    cycle = resumed_from // 3 + 1
+    assert resumed_from % 3 and f"{cycle}.npz" in os.listdir(os.path.join(killed, ppo_rollout.ROLLOUT_DIR))
+  assert _launch(method, killed, data_dir, base_dir).wait(timeout=300) == 0, open(killed + ".log").read()[-3000:]
+  records = _records(killed)
+  assert sorted(records) == list(range(1, STEPS + 1))
+  replayed = [step for step, logged in records.items() if len(logged) == 2]
+  assert len(replayed) >= 2 and min(replayed) == resumed_from + 1, (replayed, resumed_from)
+  assert any(logged[0]["loss"] != 0 for logged in records.values())  # it trained
+  for step in replayed:
+    first, second = records[step]
+    for key in METHODS[method][3]:
+      assert first[key] == second[key], (method, step, key, first[key], second[key])
