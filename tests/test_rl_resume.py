@@ -1,8 +1,12 @@
-"""Exact resume through the CLI for the methods that train on their own samples and on pairs: a DPO, a GRPO and a
-PPO run launched with `python -m t5x_like.train` and killed with -9 after a checkpoint redo the lost steps bit for
-bit when relaunched (the same losses, gradient norms and, for GRPO and PPO, the same rollouts' rewards). PPO is
-killed inside a rollout cycle (3 updates per rollout, checkpoints every 4 steps), so the relaunch reads that
-cycle's rollout back from MODEL_DIR."""
+"""Launches of the methods that train on their own samples and on pairs through `python -m t5x_like.train`.
+
+Exact resume: a DPO, a GRPO and a PPO run killed with -9 after a checkpoint redo the lost steps bit for bit when
+relaunched (the same losses, gradient norms and, for GRPO and PPO, the same rollouts' rewards). PPO is killed
+inside a rollout cycle (3 updates per rollout, checkpoints every 4 steps), so the relaunch reads that cycle's
+rollout back from MODEL_DIR.
+
+Several processes: GRPO and PPO on 2 processes × 2 CPU devices (jax.distributed) train like 1 process × 4 devices:
+every process samples the same rollouts and keeps its rows of the global batch."""
 
 import dataclasses
 import os
@@ -14,6 +18,7 @@ import time
 import pytest
 
 from tests import conftest
+from tests import test_multihost
 from tests.test_dpo import SEQ as DPO_SEQ
 from tests.test_dpo import prefs  # pylint: disable=unused-import  (a fixture)
 from tests.test_dpo import run_config as dpo_run_config
@@ -40,17 +45,17 @@ METHODS = {  # gin file, its flags, which data, SEQ_LEN, the logged keys that mu
 }
 
 
-def _launch(method, model_dir, data_dir, base_dir):
+def _launch(method, model_dir, data_dir, base_dir, *, steps=STEPS, mesh="'data': 2", devices=2, extra=()):
   flags, _, seq_len, _ = METHODS[method]
   args = [sys.executable, "-m", "t5x_like.train", "--gin_file=configs/models/gpt_tiny.gin", *flags,
           f"--gin.MODEL_DIR='{model_dir}'", f"--gin.DATA_DIR='{data_dir}'", f"--gin.INITIAL_CHECKPOINT_PATH='{base_dir}'",
-          f"--gin.TRAIN_STEPS={STEPS}", "--gin.LOG_EVERY=1", "--gin.EVAL_EVERY=0", f"--gin.CHECKPOINT_EVERY={EVERY}",
-          f"--gin.SEQ_LEN={seq_len}", "--gin.MESH_SHAPE={'pipeline': 1, 'data': 2, 'fsdp': 1, 'tensor': 1}",
+          f"--gin.TRAIN_STEPS={steps}", "--gin.LOG_EVERY=1", "--gin.EVAL_EVERY=0", f"--gin.CHECKPOINT_EVERY={EVERY}",
+          f"--gin.SEQ_LEN={seq_len}", f"--gin.MESH_SHAPE={{'pipeline': 1, {mesh}, 'fsdp': 1, 'tensor': 1}}",
           "--gin.model.GPTConfig.dtype='float32'", f"--gin.model.GPTConfig.max_len={seq_len}",
           "--gin.data.DataConfig.eval_batches=1", "--gin.data.DataConfig.shuffle_buffer=64",
           "--gin.optimizer.OptimizerConfig.learning_rate=1e-3"]
-  args += [f"--gin.model.GPTConfig.{k}={v}" for k, v in SIZE.items()]
-  env = dict(os.environ, XLA_FLAGS=conftest.xla_flags(2), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  args += [f"--gin.model.GPTConfig.{k}={v}" for k, v in SIZE.items()] + list(extra)
+  env = dict(os.environ, XLA_FLAGS=conftest.xla_flags(devices), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
   log = open(f"{model_dir}.log", "ab")
   return subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -65,15 +70,21 @@ def _records(model_dir) -> dict:
   return out
 
 
-@pytest.mark.slow  # end to end: two CLI launches per method (≈ 30 s each on 2 cores)
-@pytest.mark.parametrize("method", ["dpo", "grpo", "ppo"])
-def test_kill_9_then_resume_redoes_the_lost_steps_bit_for_bit(method, prefs, chat_data, tmp_path):
-  data_dir = prefs[0] if METHODS[method][1] == "prefs" else chat_data[0]
+def _base(method, data_dir, tmp_path) -> str:
+  """A random base MODEL_DIR of the launches' model (gpt_tiny.gin with SIZE) over `data_dir`'s vocabulary."""
   seq_len = METHODS[method][2]
   config = (dpo_run_config if method == "dpo" else run_config)("unused", data_dir, seq_len=seq_len)
   exp = experiment_lib.Experiment(config, dataclasses.replace(TINY, max_len=seq_len, **SIZE), OPT)
   base_dir = str(tmp_path / "base")
   checkpointing.save_params(base_dir, model_params(exp, seed=5))
+  return base_dir
+
+
+@pytest.mark.slow  # end to end: two CLI launches per method (≈ 25 s each on 2 cores)
+@pytest.mark.parametrize("method", ["dpo", "grpo", "ppo"])
+def test_kill_9_then_resume_redoes_the_lost_steps_bit_for_bit(method, prefs, chat_data, tmp_path):
+  data_dir = prefs[0] if METHODS[method][1] == "prefs" else chat_data[0]
+  base_dir = _base(method, data_dir, tmp_path)
   killed = str(tmp_path / method)
   proc = _launch(method, killed, data_dir, base_dir)
   deadline = time.time() + 240
@@ -103,3 +114,32 @@ def test_kill_9_then_resume_redoes_the_lost_steps_bit_for_bit(method, prefs, cha
     first, second = records[step]
     for key in METHODS[method][3]:
       assert first[key] == second[key], (method, step, key, first[key], second[key])
+
+
+@pytest.mark.slow  # three processes per method (≈ 40 s on 2 cores)
+@pytest.mark.parametrize("method", ["grpo", "ppo"])
+def test_two_processes_train_like_one(method, chat_data, tmp_path):
+  """8 steps (PPO: 3 updates per rollout) on 2 processes × 2 devices and on 1 process × 4 devices, data-parallel
+  over the 4: the same rewards and lengths at every step (the same samples), the same losses up to float32
+  reduction order across processes (rel 2e-5, as pre-training's in tests/test_multihost.py)."""
+  data_dir = chat_data[0]
+  base_dir = _base(method, data_dir, tmp_path)
+  steps, mesh = 8, "'data': 4"
+  one = str(tmp_path / "one")
+  assert _launch(method, one, data_dir, base_dir, steps=steps, mesh=mesh, devices=4).wait(timeout=300) == 0, \
+      open(one + ".log").read()[-3000:]
+  two = str(tmp_path / "two")
+  port = test_multihost.free_port()
+  procs = [_launch(method, two, data_dir, base_dir, steps=steps, mesh=mesh, devices=2,
+                   extra=[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"])
+           for i in range(2)]
+  for proc in procs:
+    assert proc.wait(timeout=300) == 0, open(two + ".log").read()[-3000:]
+  single, multi = _records(one), _records(two)
+  assert sorted(single) == sorted(multi) == list(range(1, steps + 1))
+  assert any(logged[0]["loss"] != 0 for logged in single.values())  # it trained
+  for step in single:
+    (a,), (b,) = single[step], multi[step]
+    assert a["reward_mean"] == b["reward_mean"] and a["response_length"] == b["response_length"], step
+    assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=1e-7), (step, a["loss"], b["loss"])
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-5), step
