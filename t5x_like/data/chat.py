@@ -229,6 +229,26 @@ class ChatEncoder:
       ids += self._turn(role, content)[0]
     return ids + [self.marker_ids["assistant"]]
 
+  def turns_of(self, ids: Iterable[int]) -> list[tuple[str, str]]:
+    """The (role, content) turns of rendered token ids (the inverse of rendering; a turn left open, such as a
+    prompt's final assistant marker, is not returned)."""
+    roles = {v: k for k, v in self.marker_ids.items() if k != "end"}
+    out, role, body = [], None, []
+    for i in np.asarray(list(ids)).reshape(-1).tolist():
+      if i in roles:
+        role, body = roles[i], []
+      elif i == self.marker_ids["end"] and role is not None:
+        out.append((role, self.tokenizer.decode(body)))
+        role = None
+      elif role is not None:
+        body.append(int(i))
+    return out
+
+  def next_turn_ids(self, role: str, content: str) -> list[int]:
+    """Token ids that follow a generated assistant turn (which ends with its end marker) to add a `role` turn and
+    ask for the next assistant turn: the separator, the turn as rendered, then the assistant marker."""
+    return self.separator_ids + self._turn(role, content)[0] + [self.marker_ids["assistant"]]
+
   def completion_text(self, ids: Iterable[int]) -> str:
     """The generated assistant text: `ids` up to the first end marker or EOS, decoded."""
     out = []

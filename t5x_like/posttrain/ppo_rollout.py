@@ -44,7 +44,7 @@ class PpoRollouts:
     self.config = exp.config.recipe_config
     self.minibatches = self.config.num_minibatches
     self.updates = self.config.ppo_epochs * self.minibatches
-    self.rollouts = rollout.Rollouts(exp, rows=exp.config.batch_size * self.minibatches)
+    self.rollouts = rollout.Rollouts(exp, rows=exp.config.batch_size * self.minibatches, play=self.config.play_fn())
     self.cycle, self.data, self.metrics = None, None, {}
     features = ("inputs", "targets", "positions", "segment_ids")
     frozen = {k: v for k, v in exp.frozen_shardings.items() if k == preference.REFERENCE}

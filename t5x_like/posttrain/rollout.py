@@ -28,7 +28,7 @@ the KV cache's other shapes (measured in tests/test_engine.py and tests/test_ppo
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from absl import logging
 import jax
@@ -183,6 +183,8 @@ class Episodes:
   logprobs: list  # the engine's log-prob of each completion token
   rewards: np.ndarray  # (rows,) float64; NaN where the reward function failed (the episode is dropped)
   seconds: float  # sampling + scoring
+  masks: Optional[list] = None  # multi-turn: per completion token, 1 for the policy's, 0 for the environment's
+  extra: dict = dataclasses.field(default_factory=dict)  # more metrics (multi-turn: turns, cut episodes, ...)
 
   @property
   def dropped(self) -> np.ndarray:
@@ -190,11 +192,12 @@ class Episodes:
 
   def metrics(self) -> dict:
     kept = self.rewards[~self.dropped]
+    generated = [sum(m) for m in self.masks] if self.masks is not None else [len(c) for c in self.completions]
     return {"reward_mean": float(kept.mean()) if kept.size else 0.0,
             "reward_std": float(kept.std()) if kept.size else 0.0,
-            "response_length": float(np.mean([len(c) for c in self.completions])),
+            "response_length": float(np.mean(generated)),
             "sampled_logp": float(np.mean([lp for row in self.logprobs for lp in row])),
-            "rollout/dropped_episodes": float(self.dropped.sum()), "rollout_seconds": self.seconds}
+            "rollout/dropped_episodes": float(self.dropped.sum()), "rollout_seconds": self.seconds, **self.extra}
 
 
 class Rollouts:
@@ -202,9 +205,12 @@ class Rollouts:
   current parameters, `batch` makes GRPO's training batch of it; `evaluate` scores greedy answers to the
   validation prompts."""
 
-  def __init__(self, exp, rows: int = 0, row_tokens: int = 0):
+  def __init__(self, exp, rows: int = 0, row_tokens: int = 0, play: Optional[Callable] = None):
     """rows: completions per rollout (default BATCH_SIZE), recipe_config.num_generations for each prompt;
-    row_tokens: the most tokens a prompt and its completion may take (default SEQ_LEN + 1)."""
+    row_tokens: the most tokens a prompt and its completion may take (default SEQ_LEN + 1); play: multi-turn
+    episodes (rollouts, params, prompt set, indices, seed, temperature, top_k) → Episodes, in place of one
+    completion scored by the reward function (posttrain/environments.py)."""
+    self.play = play
     self.exp = exp
     config = exp.config
     self.objective_config = config.recipe_config
@@ -227,17 +233,21 @@ class Rollouts:
     self._trainer_logps = None
 
   def sample(self, params, prompts: Sequence[Sequence[int]], *, n: int, seed: int, temperature: float,
-             top_k: int) -> tuple:
+             top_k: int, max_tokens=0) -> tuple:
     """(completions, log-probs): `n` completions of each prompt from the engine (the n share one prefill), in
-    prompt order, each a token list up to and including its stop token, with the log-prob of every token under
+    prompt order, at most `max_tokens` each (one for all, or one per prompt; 0 = max_new_tokens), each a token
+    list up to and including its stop token, with the log-prob of every token under
     `params` (the trainer's number for that token)."""
     if self.engine is None:
       cache_len = min(self.exp.model_config.max_len, self.width + self.objective_config.max_new_tokens)
+      if self.play is not None:  # an episode grows over its turns up to a whole row
+        cache_len = min(self.exp.model_config.max_len, self.exp.config.seq_len + 1)
       self.engine = engine_lib.Engine(self.exp.model_config, params, self.exp.mesh, self.exp.rules,
                                       slots=self.rows, cache_len=cache_len, pad_id=self.encoder.tokenizer.pad_id)
     self.engine.params = params
-    sampling = SamplingParams(max_tokens=self.objective_config.max_new_tokens, temperature=temperature, top_k=top_k,
-                              stop_token_ids=self.stop_ids)
+    budgets = max_tokens if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
+    sampling = [SamplingParams(max_tokens=b or self.objective_config.max_new_tokens, temperature=temperature,
+                               top_k=top_k, stop_token_ids=self.stop_ids) for b in budgets]
     out = [c for samples in self.engine.generate(list(prompts), sampling, n=n, seed=seed) for c in samples]
     return [c.tokens for c in out], [c.logprobs for c in out]
 
@@ -277,22 +287,29 @@ class Rollouts:
 
   def collect(self, params, index: int) -> Episodes:
     """Rollout `index` (1-based; GRPO's optimizer step): its prompts (schedule) sampled with step_seed(SEED,
-    index) from `params`, and scored."""
+    index) from `params`, and scored (or played against the environment)."""
     t0 = time.perf_counter()
     chosen = schedule(len(self.train.prompts), index, self.per_step, self.exp.config.seed)
     indices = np.repeat(chosen, self.group)
-    completions, logprobs = self.sample(params, [self.train.prompts[i] for i in chosen], n=self.group,
-                                        seed=step_seed(self.exp.config.seed, index),
-                                        temperature=self.objective_config.temperature,
-                                        top_k=self.objective_config.top_k)
-    rewards = self.score(self.train, indices, completions)
-    return Episodes(indices, [self.train.prompts[i] for i in indices], completions, logprobs, rewards,
-                    time.perf_counter() - t0)
+    seed = step_seed(self.exp.config.seed, index)
+    config = self.objective_config
+    if self.play is not None:
+      episodes = self.play(self, params, self.train, indices, seed, config.temperature, config.top_k)
+    else:
+      completions, logprobs = self.sample(params, [self.train.prompts[i] for i in chosen], n=self.group, seed=seed,
+                                          temperature=config.temperature, top_k=config.top_k)
+      rewards = self.score(self.train, indices, completions)
+      episodes = Episodes(indices, [self.train.prompts[i] for i in indices], completions, logprobs, rewards, 0.0)
+    episodes.seconds = time.perf_counter() - t0
+    return episodes
 
   def rows_of(self, episodes: Episodes, advantages: np.ndarray) -> dict:
     """The rollout rows (numpy, whole batch) of `episodes`, a dropped episode's row with weight 0."""
     rows = rollout_rows(episodes.prompts, episodes.completions, advantages, self.exp.config.seq_len,
                         self.encoder.tokenizer.pad_id)
+    if episodes.masks is not None:  # the environment's tokens are not the policy's: weight 0
+      for i, (prompt, mask) in enumerate(zip(episodes.prompts, episodes.masks)):
+        rows["weights"][i, len(prompt) - 1:len(prompt) - 1 + len(mask)] *= np.asarray(mask, np.float32)
     rows["weights"][episodes.dropped] = 0.0
     return rows
 
@@ -341,6 +358,11 @@ class Rollouts:
     if self.exp.config.data.eval_batches:
       count = min(count, self.exp.config.data.eval_batches * rows)
     indices = list(range(count))
+    if self.play is not None:  # greedy episodes against the environment: its reward, turns, tool calls
+      episodes = self.play(self, params, prompt_set, np.asarray(indices), 0, 0.0, 0)
+      metrics = episodes.metrics()
+      return {"eval/prompts": count, **{f"eval/{k}": metrics[k] for k in ("reward_mean", "reward_std",
+                                                                          "response_length", *episodes.extra)}}
     completions, _ = self.sample(params, [prompt_set.prompts[i] for i in indices], n=1, seed=0, temperature=0.0,
                                  top_k=0)
     values = self.score(prompt_set, indices, completions)

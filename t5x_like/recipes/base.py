@@ -3,6 +3,7 @@ GRPO and PPO, the DATA_DIR format check, the pair checks."""
 
 import dataclasses
 
+from t5x_like.posttrain import environments
 from t5x_like.posttrain import frozen_models
 from t5x_like.posttrain import preference
 from t5x_like.posttrain import rewards
@@ -45,6 +46,19 @@ class RolloutConfig(ReferenceConfig):
   max_new_tokens: int = 16  # rollout length budget per completion
   temperature: float = 1.0  # rollout sampling temperature (evaluation is greedy)
   top_k: int = 0  # rollout sampling: only the k most likely tokens (0 = all)
+  # multi-turn episodes against a registered environment (posttrain/environments.py: 'calculator', or your own) in
+  # place of one completion scored by `reward`; '' = single turn
+  environment: str = ""
+  max_turns: int = 4  # with an environment: the most assistant turns of an episode (then it is cut and counted)
+
+  def play_fn(self):
+    """The multi-turn episode player of `environment` (None without one), for rollout.Rollouts(play=...)."""
+    if not self.environment:
+      return None
+    env = environments.get(self.environment, type(self).__name__)
+    return lambda rollouts, params, prompt_set, indices, seed, temperature, top_k: environments.play(
+        rollouts, params, prompt_set, indices, environment=env, seed=seed, max_turns=self.max_turns,
+        temperature=temperature, top_k=top_k)
 
   def check_rollouts(self, run, what: str, rows: int) -> None:
     """The checks every rollout method makes: a chat DATA_DIR, `rows` completions per rollout in whole groups,
@@ -68,6 +82,10 @@ class RolloutConfig(ReferenceConfig):
       raise ValueError(f"{what} with a sequence-length warmup (CurriculumConfig): rollout rows are not cut; turn "
                        "the warmup off")
     rewards.get(self.reward, name)  # an unregistered name is an error now, not after the first rollout
+    if self.environment:
+      environments.get(self.environment, name)
+      if self.max_turns < 1:
+        raise ValueError(f"{name}.max_turns={self.max_turns} must be >= 1")
 
 
 def check_format(run, expected: str, what: str) -> None:

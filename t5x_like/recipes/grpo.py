@@ -31,7 +31,7 @@ class GrpoConfig(base.RolloutConfig):
 
   def rollouts(self, run) -> rollout.Rollouts:
     """The run's prompts, sampler and rewards, built once per run (they read the DATA_DIR's prompts)."""
-    return run.part("rollouts", lambda: rollout.Rollouts(run))
+    return run.part("rollouts", lambda: rollout.Rollouts(run, play=self.play_fn()))
 
   def batches(self, run, next_batch):
     """Each step's batch is sampled from the parameters it starts from: (batch, host metrics)."""

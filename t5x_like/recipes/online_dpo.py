@@ -33,6 +33,9 @@ class OnlineDpoConfig(base.RolloutConfig):
       raise ValueError(f"{NAME} with dynamic loss scaling (float16): not supported, the scaled step normalises by "
                        "tokens, not pairs; use bfloat16 or float32")
     self.check_rollouts(run, NAME, 2 * run.config.batch_size)
+    if self.environment:
+      raise ValueError(f"OnlineDpoConfig.environment={self.environment!r}: multi-turn episodes train with GRPO "
+                       "(configs/runs/grpo.gin)")
     if 2 * self.max_new_tokens > run.config.seq_len:
       raise ValueError(f"OnlineDpoConfig.max_new_tokens={self.max_new_tokens}: a row holds the prompt twice and both "
                        f"completions, so 2 × max_new_tokens must be at most SEQ_LEN={run.config.seq_len}")

@@ -53,6 +53,9 @@ class PpoConfig(base.RolloutConfig):
       raise ValueError(f"{NAME} with LoRA (LoraConfig.rank > 0): the value head would not train; use full or "
                        "selective fine-tuning")
     self.check_rollouts(run, NAME, run.config.batch_size * self.num_minibatches)
+    if self.environment:
+      raise ValueError(f"PpoConfig.environment={self.environment!r}: multi-turn episodes train with GRPO "
+                       "(configs/runs/grpo.gin); PPO's GAE does not yet carry values across the environment's turns")
     return ppo.Ppo(ppo.value_head_forward(run.model.apply, run.model_config), clip_epsilon=self.clip_epsilon, value_clip=self.value_clip,
                    vf_coef=self.vf_coef)
 

@@ -1,0 +1,145 @@
+"""Multi-turn rollouts with a tool: the calculator environment, episodes played token in / token out with the
+environment's turns at loss weight 0, turn and token limits, a failing environment, and GRPO learning to use the
+tool on a generated task (held-out reward raised, the engine's log-probs of every policy token the trainer's)."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from t5x_like.data import chat
+from t5x_like.data import tokenizer as tokenizer_lib
+from t5x_like.posttrain import environments
+from t5x_like.posttrain import rollout
+from t5x_like.recipes import experiment as experiment_lib
+from t5x_like.training import checkpointing
+from t5x_like.training import optimizer as optimizer_lib
+from t5x_like.training import trainer
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import tool_task  # pylint: disable=g-import-not-at-top,wrong-import-position  (bench/tool_task.py: the task's recipe)
+
+
+def test_the_calculator_answers_tool_calls_and_rewards_a_right_answer_after_a_right_call():
+  calc = environments.get("calculator")
+  question = [("user", "12 * 34")]
+  assert calc(question + [("assistant", "calc 12 * 34")], "408") == environments.EnvReply(message="= 408")
+  assert calc(question + [("assistant", "calc 12 ** 34")], "408").message == "= error"  # only + − ×
+  assert calc(question + [("assistant", "calc __import__('os')")], "408").message == "= error"
+  called = question + [("assistant", "calc 12 * 34"), ("user", "= 408")]
+  assert calc(called + [("assistant", "408")], "408") == environments.EnvReply(done=True, reward=1.0)
+  assert calc(called + [("assistant", "407")], "408").reward == 0.0  # a wrong answer
+  assert calc(question + [("assistant", "408")], "408") == environments.EnvReply(done=True, reward=0.0)  # no tool
+  wrong_call = question + [("assistant", "calc 12 * 33"), ("user", "= 396")]
+  assert calc(wrong_call + [("assistant", "408")], "408").reward == 0.0
+  assert environments.evaluate("(2 + 3) * -4") == -20 and environments.evaluate("2 / 3") is None
+  with pytest.raises(ValueError, match=r"GrpoConfig.environment='nope' is not a registered environment "
+                                       r"\(registered: .*calculator"):
+    environments.get("nope")
+
+
+class ScriptedRollouts:
+  """What `play` reads of rollout.Rollouts, with the policy's turns scripted as text (encoded to tokens here)."""
+
+  def __init__(self, encoder, prompts, references, script, seq_len=48, max_len=64):
+    self.encoder, self.script, self.calls = encoder, script, []
+    self.objective_config = type("Config", (), {"max_new_tokens": 12})()
+    self.exp = type("Exp", (), {"config": type("C", (), {"seq_len": seq_len})(),
+                                "model_config": type("M", (), {"max_len": max_len})()})()
+    self.prompt_set = rollout.PromptSet([encoder.prompt_ids([("user", p)]) for p in prompts], list(references),
+                                        list(prompts), {})
+
+  def sample(self, params, prompts, *, n, seed, temperature, top_k, max_tokens):
+    del params, n, temperature, top_k
+    self.calls.append((seed, [len(p) for p in prompts], max_tokens))
+    out = []
+    for prompt, budget in zip(prompts, max_tokens):
+      turn = sum(1 for t in prompt if t == self.encoder.marker_ids["assistant"]) - 1
+      index = next(i for i, p in enumerate(self.prompt_set.prompts) if prompt[:len(p)] == p)
+      text = self.script[index][turn] if turn < len(self.script[index]) else "calc 1 + 1"
+      tokens = (list(self.encoder.tokenizer.encode(text)) + [self.encoder.marker_ids["end"]])[:budget]
+      out.append(tokens)
+    return out, [[-0.5] * len(t) for t in out]
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory):
+  texts = [" ".join(m["content"] for m in line["messages"]) for line in environments.calculator_examples(300)]
+  tok = tokenizer_lib.train_tokenizer(texts, str(tmp_path_factory.mktemp("tok") / "tok.model"), vocab_size=320,
+                                      num_threads=1)
+  return chat.ChatEncoder(tokenizer_lib.load(tok.path))
+
+
+def test_episodes_keep_the_policys_tokens_weigh_the_environment_zero_and_cut_at_the_limits(encoder):
+  """Four episodes: a right one (tool, then the answer), one answering without the tool, one that never stops
+  calling the tool (cut at max_turns, counted), and one whose environment raises (dropped)."""
+  script = [["calc 12 * 34", "408"], ["99"], ["calc 1 + 1"] * 9, ["boom"]]
+
+  def env(messages, reference):
+    if messages[-1][1] == "boom":
+      raise RuntimeError("the tool crashed")
+    return environments.calculator(messages, reference)
+
+  ro = ScriptedRollouts(encoder, ["12 * 34", "50 + 49", "1 + 1", "2 + 2"], ["408", "99", "2", "4"], script)
+  episodes = environments.play(ro, None, ro.prompt_set, np.arange(4), environment=env, seed=7, max_turns=3,
+                               temperature=1.0, top_k=0)
+  np.testing.assert_array_equal(episodes.rewards[:3], [1.0, 0.0, 0.0])
+  assert np.isnan(episodes.rewards[3]) and episodes.metrics()["rollout/dropped_episodes"] == 1
+  assert episodes.extra == {"episodes_cut": 1.0, "turns": 1.75, "tool_calls": 1.0}
+  # episode 0: the policy's tokens exactly as sampled, the environment's reply rendered between them
+  call = list(encoder.tokenizer.encode("calc 12 * 34")) + [encoder.marker_ids["end"]]
+  answer = list(encoder.tokenizer.encode("408")) + [encoder.marker_ids["end"]]
+  reply = encoder.next_turn_ids("user", "= 408")
+  assert episodes.completions[0] == call + reply + answer
+  assert episodes.masks[0] == [1] * len(call) + [0] * len(reply) + [1] * len(answer)
+  assert len(episodes.logprobs[0]) == len(call) + len(answer)
+  assert encoder.turns_of(episodes.prompts[0] + episodes.completions[0]) == [
+      ("user", "12 * 34"), ("assistant", "calc 12 * 34"), ("user", "= 408"), ("assistant", "408")]
+  assert [s for s, _, _ in ro.calls] == [rollout.step_seed(7, t) for t in range(3)]  # a seed per turn
+  assert len(ro.calls[1][1]) == 2  # turn 2: only the episodes still going (0 and 2)
+  # a row's loss weights: the policy's tokens only
+  rows_of = rollout.Rollouts.rows_of
+  holder = type("R", (), {"exp": ro.exp, "encoder": encoder})()
+  rows = rows_of(holder, episodes, np.zeros(4, np.float32))
+  first = len(episodes.prompts[0]) - 1
+  np.testing.assert_array_equal(rows["weights"][0, first:first + len(episodes.masks[0])], episodes.masks[0])
+  assert rows["weights"][3].sum() == 0  # dropped
+  # the token budget: an episode whose next turn would pass it is cut (and counted) before it overflows
+  short = ScriptedRollouts(encoder, ["12 * 34"], ["408"], [["calc 12 * 34", "408"]], seq_len=14, max_len=64)
+  cut = environments.play(short, None, short.prompt_set, np.arange(1), environment=environments.calculator, seed=0,
+                          max_turns=3, temperature=1.0, top_k=0)
+  assert cut.extra["episodes_cut"] == 1 and cut.rewards[0] == 0.0
+  assert len(cut.prompts[0]) + len(cut.completions[0]) <= 15
+
+
+SFT_STEPS, STEPS = 300, 20
+
+
+@pytest.mark.slow  # 300 SFT steps and 20 GRPO steps of 128 two-turn episodes (≈ 45 s on 2 cores)
+def test_grpo_with_the_calculator_learns_to_call_the_tool_and_answer(tmp_path):
+  """bench/tool_task.py's recipe, shorter: from an SFT model that gets 60-70% of the held-out questions right
+  (tool call and answer), 20 GRPO steps raise it, and the samples' reward with it; every policy token's engine
+  log-prob equals the trainer's to 1e-4 (the environment's tokens, weight 0, are not compared), and episodes are
+  rarely cut at the turn limit."""
+  root = str(tmp_path)
+  sft_data, rl_data = tool_task.prepare(root)
+  sft_dir = tool_task.sft_run(root, sft_data, SFT_STEPS)
+  config = tool_task.grpo_config(f"{root}/grpo", rl_data, sft_dir, steps=STEPS, prompts=16, group=8, eval_every=0)
+  opt = optimizer_lib.OptimizerConfig(learning_rate=3e-3, warmup_steps=5, decay="constant", weight_decay=0.0)
+  exp = experiment_lib.Experiment(config, tool_task.MODEL, opt)
+  with exp.context():
+    _, params = checkpointing.restore_params(sft_dir, abstract_params=exp.abstract_with_shardings().params)
+  before = exp.evaluate(params)
+  after = trainer.train(config, tool_task.MODEL, opt)
+  print({k: (round(before[k], 3), round(after[k], 3)) for k in before})
+  assert 0.3 <= before["eval/reward_mean"] <= 0.8
+  assert after["eval/reward_mean"] >= before["eval/reward_mean"] + 0.1  # measured 0.71 → 0.84
+  steps = [json.loads(line) for line in open(f"{root}/grpo/metrics.jsonl")]
+  steps = [r for r in steps if "loss" in r]
+  assert len(steps) == STEPS
+  assert all(r["rollout/logprob_gap"] <= 1e-4 for r in steps)  # measured ≤ 2.8e-5 over 60 steps
+  assert all(r["episodes_cut"] <= 2 and r["tool_calls"] >= 0.9 for r in steps)  # of 128 episodes
+  sampled = [r["reward_mean"] for r in steps]
+  assert np.mean(sampled[-5:]) >= np.mean(sampled[:5]) + 0.1  # measured 0.52 → 0.66
