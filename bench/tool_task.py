@@ -8,7 +8,7 @@ the held-out questions are played greedily. Prints the curve: held-out reward (t
 the tool correctly and answer right), tool calls and turns per episode, episodes cut at the turn limit.
 tests/test_environments.py runs a shorter version.
 
-  python bench/tool_task.py [--sft_steps 60] [--steps 60] [--group 8] [--prompts 16]
+  python bench/tool_task.py [--sft_steps 300] [--steps 60] [--group 8] [--prompts 16]
 """
 
 import argparse
@@ -93,7 +93,7 @@ def grpo_config(model_dir: str, data_dir: str, sft_dir: str, *, steps: int, prom
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--sft_steps", type=int, default=60)
+  parser.add_argument("--sft_steps", type=int, default=300)
   parser.add_argument("--steps", type=int, default=60)
   parser.add_argument("--group", type=int, default=8)
   parser.add_argument("--prompts", type=int, default=16)
@@ -116,14 +116,16 @@ def main():
     r = json.loads(line)
     by_step.setdefault(r.get("step"), {}).update(r)
   print(f"| step | held-out reward (greedy, {start['eval/prompts']} questions) | tool calls | turns | cut | "
-        "sampled reward |")
-  print("|---|---|---|---|---|---|")
+        f"sampled reward (mean of the last {args.eval_every} steps) | log-prob gap (largest) |")
+  print("|---|---|---|---|---|---|---|")
   print(f"| SFT ({args.sft_steps} steps) | {start['eval/reward_mean']:.3f} | {start['eval/tool_calls']:.2f} | "
-        f"{start['eval/turns']:.2f} | {start['eval/episodes_cut']:.0f} | |")
+        f"{start['eval/turns']:.2f} | {start['eval/episodes_cut']:.0f} | | |")
   for step in sorted(s for s in by_step if s and "eval/reward_mean" in by_step[s]):
     r = by_step[step]
+    window = [by_step[s] for s in range(max(1, step - args.eval_every + 1), step + 1)]
     print(f"| GRPO {step} | {r['eval/reward_mean']:.3f} | {r['eval/tool_calls']:.2f} | {r['eval/turns']:.2f} | "
-          f"{r['eval/episodes_cut']:.0f} | {r.get('reward_mean', float('nan')):.3f} |")
+          f"{r['eval/episodes_cut']:.0f} | {np.mean([w['reward_mean'] for w in window]):.3f} | "
+          f"{max(w['rollout/logprob_gap'] for w in window):.1e} |")
 
 
 if __name__ == "__main__":
