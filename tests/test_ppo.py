@@ -1,5 +1,6 @@
 """PPO: the rollout arithmetic (KL-penalised rewards, GAE, whitening) and the clipped policy + value update against a
-hand computation on a bigram model, the step on data×fsdp×tensor and pipeline layouts equal to one device, and the
+hand computation on a bigram model, the step on data×fsdp×tensor and pipeline layouts equal to one device (GRPO's
+too), and the
 recipe end to end on a generated chat task (held-out exact match raised, rollout log-probs equal to the trainer's,
 a run resumed inside a rollout cycle repeating the same updates), bad input named in one line."""
 
@@ -22,6 +23,7 @@ from tests.test_grpo import chat_data, numpy_logps, sft  # pylint: disable=unuse
 from t5x_like import data as data_lib
 from t5x_like.model import heads
 from t5x_like.parallel import partitioning
+from t5x_like.posttrain import grpo
 from t5x_like.posttrain import ppo
 from t5x_like.posttrain import ppo_rollout
 from t5x_like.posttrain import rewards
@@ -207,6 +209,43 @@ def test_ppo_step_on_a_layout_equals_one_device(mesh_shape, microbatches, ppo_la
   result = train_on_layout(initial, mesh_shape, num_microbatches=microbatches)
   layouts.assert_same_training(result, runs["single"])
   assert result[0][-1, 2] < result[0][0, 2]  # the value head learns too
+
+
+def train_grpo_on_layout(initial, reference, mesh_shape, *, num_microbatches=1, devices=None):
+  """GRPO's step (clipped ratio to old log-probs, k3 KL to a frozen reference) on the same rollout features."""
+  mesh, _, model, tx, lr_fn = layouts.make_layout(mesh_shape, devices=devices)
+  objective = grpo.Grpo(model.apply, clip_epsilon=0.2, beta=0.1)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(layouts.RULES):
+    _, shardings = train_state.state_shardings(model, tx, mesh, layouts.RULES)
+    state = jax.device_put(initial, shardings)
+    frozen_shardings = {grpo.REFERENCE: shardings.params}
+    frozen = {grpo.REFERENCE: jax.device_put(reference, shardings.params)}
+    batch_sharding = partitioning.batch_sharding(mesh, layouts.RULES)
+    batch = {k: jax.device_put(v, batch_sharding) for k, v in layout_batch().items() if k in objective.features}
+    step = step_lib.jit_train_step(step_lib.make_train_step(objective, tx, lr_fn, num_microbatches=num_microbatches),
+                                   shardings, batch_sharding, objective.features, frozen_shardings)
+    history = []
+    for _ in range(layouts.STEPS):
+      state, metrics = step(state, batch, frozen)
+      history.append((float(metrics["loss"]), float(metrics["grad_norm"]), float(metrics["kl"])))
+  return np.array(history), jax.tree.map(np.asarray, state.params)
+
+
+@pytest.mark.slow  # ≈ 15-20 s each on 2 loaded cores
+@pytest.mark.parametrize("mesh_shape, microbatches", [({"data": 2, "fsdp": 2, "tensor": 2}, 2),
+                                                      ({"pipeline": 2, "data": 2, "tensor": 2}, 1)])
+def test_grpo_step_on_a_layout_equals_one_device(mesh_shape, microbatches, ppo_layouts):
+  """GRPO's update (tests/test_grpo.py checks it against a hand computation) on the same layouts as PPO's."""
+  _, runs = ppo_layouts
+  if "grpo" not in runs:
+    initial = layouts.host_initial_state()  # the plain decoder: GRPO has no value head
+    rng = np.random.RandomState(2)
+    reference = jax.tree.map(lambda x: (x + rng.normal(0.0, 0.02, x.shape)).astype(x.dtype), initial.params)
+    runs["grpo"] = (initial, reference, train_grpo_on_layout(initial, reference, {"data": 1},
+                                                             devices=jax.devices()[:1]))
+  initial, reference, single = runs["grpo"]
+  layouts.assert_same_training(train_grpo_on_layout(initial, reference, mesh_shape, num_microbatches=microbatches),
+                               single)
 
 
 # ----------------------------------------------------------------------------------------------------
