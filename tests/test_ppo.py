@@ -1,8 +1,7 @@
 """PPO: the rollout arithmetic (KL-penalised rewards, GAE, whitening) and the clipped policy + value update against a
 hand computation on a bigram model, the step on data×fsdp×tensor and pipeline layouts equal to one device (GRPO's
-too), and the
-recipe end to end on a generated chat task (held-out exact match raised, rollout log-probs equal to the trainer's,
-a run resumed inside a rollout cycle repeating the same updates), bad input named in one line."""
+too), and the recipe end to end on a generated chat task (held-out exact match raised, rollout log-probs equal to
+the trainer's, a run resumed inside a rollout cycle repeating the same updates), bad input named in one line."""
 
 import dataclasses
 import json
