@@ -325,3 +325,20 @@ def test_ppo_bad_input_is_one_line(sft, corpus, tmp_path):
     assert "\n" not in str(raised.value)
   with pytest.raises(ValueError, match=r"TrainConfig.recipe='ppo' samples answers to the prompts of a chat DATA_DIR"):
     experiment_lib.Experiment(ppo_config(tmp_path, corpus, sft_dir), MODEL, PPO_OPT)
+  # the critic: a reward model's score head starts the value head; one that does not fit the policy is one line
+  head = np.random.RandomState(4).normal(0, 0.1, (MODEL.d_model, 1)).astype(np.float32)
+  _, sft_params = checkpointing.restore_params(sft_dir)
+  checkpointing.save_params(str(tmp_path / "rm"), {**sft_params, heads.SCORE_HEAD: head})
+  exp = experiment_lib.Experiment(ppo_config(tmp_path / "p", data_dir, sft_dir, critic_checkpoint=str(tmp_path / "rm")),
+                                  MODEL, PPO_OPT)
+  state = exp.fresh_state(sft_dir)
+  np.testing.assert_array_equal(np.asarray(state.params[heads.SCORE_HEAD]), head)
+  np.testing.assert_array_equal(np.asarray(state.params["lm_head"]["kernel"]), sft_params["lm_head"]["kernel"])
+  checkpointing.save_params(str(tmp_path / "wide"), {heads.SCORE_HEAD: np.zeros((64, 1), np.float32)})
+  for path, message in [(tmp_path / "wide", r"its score_head has shape \(64, 1\), the policy's value head \(32, 1\) "
+                                             r"\(GPTConfig.d_model=32\): the critic does not fit the policy"),
+                        (sft_dir, r"has no 'score_head' \(not a reward model")]:
+    with pytest.raises(ValueError, match=message) as raised:
+      experiment_lib.Experiment(ppo_config(tmp_path / "q", data_dir, sft_dir, critic_checkpoint=str(path)),
+                                MODEL, PPO_OPT)
+    assert "\n" not in str(raised.value)

@@ -178,6 +178,16 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
                                             trainable=self.config.trainable_regex, params_fn=self.params_fn)
     return jax.device_put(state, self.state_shardings)  # a no-op unless the optimizer state is offloaded
 
+  def fresh_state(self, warm_start_path: str = "", with_optimizer: bool = False):
+    """The state a fresh run starts from: initialised, or warm-started from `warm_start_path`; then the parameters
+    the recipe fills (Recipe.initial_params: PPO's value head from a reward model)."""
+    if warm_start_path:
+      state = self.warm_start(warm_start_path, self.abstract_with_shardings(), with_optimizer)
+    else:
+      state = self.init_state()
+    with self.context():
+      return state.replace(params=self.recipe.initial_params(self, state.params))
+
   def abstract_with_shardings(self):
     """The TrainState's ShapeDtypeStructs carrying this run's shardings (restore/reshard target)."""
     return checkpointing.abstract_with_shardings(self.abstract_state, self.state_shardings)

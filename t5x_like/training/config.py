@@ -42,6 +42,12 @@ class Recipe:
     del run, params
     return None
 
+  def initial_params(self, run, params):
+    """The parameters a fresh run starts from (after initialisation or the warm start; never on resume): a
+    method may fill some from elsewhere. Default: unchanged."""
+    del run
+    return params
+
 
 @dataclasses.dataclass(frozen=True)
 class LanguageModelConfig(Recipe):

@@ -132,10 +132,10 @@ def initial_state(exp, manager, train_iter) -> tuple:
     return int(restored_step), state, saved_metadata, origin
   if ckpt.warm_start_from and exp.state_holds_model_params:  # (LoRA's state holds adapters; its base is frozen)
     pinned = exp.check_checkpoint_shapes(ckpt.warm_start_from)  # before anything compiles
-    state = exp.warm_start(pinned, abstract, ckpt.warm_start_optimizer)  # a reward model's new head stays fresh
+    state = exp.fresh_state(pinned, ckpt.warm_start_optimizer)  # a reward model's new head stays fresh
     origin["initial_checkpoint"] = pinned
   else:
-    state = exp.init_state()
+    state = exp.fresh_state()
   return 0, state, None, origin
 
 
