@@ -357,7 +357,8 @@ def test_an_unpaired_data_dir_counts_lines_without_a_label_and_only_kto_reads_it
   with open(os.path.join(data_dir, "manifest.json")) as f:
     assert json.load(f)["unpaired"] is True
   with pytest.raises(ValueError, match=r"TrainConfig.recipe='dpo' trains on pairs: DATA_DIR .* holds unpaired "
-                                       r"examples \(preprocess --format=unpaired\), which only TrainConfig.recipe='kto'"):
+                                       r"examples \(preprocess --format=unpaired\), which only "
+                                       r"TrainConfig.recipe='kto'"):
     experiment_lib.Experiment(run_config(tmp_path / "d", data_dir), TINY, OPT)
   no_labels = tmp_path / "no_labels.jsonl"
   no_labels.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")

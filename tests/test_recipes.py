@@ -46,7 +46,8 @@ RUN = ["MODEL_DIR = '/tmp/x'", "DATA_DIR = '/tmp/d'"]
                               "REWARD_CHECKPOINT_PATH = '/rm'", "INITIAL_CHECKPOINT_PATH = '/b'"],
      ppo_recipe.PpoConfig(kl_coef=0.1, ppo_epochs=2, reward="reward_model", reward_checkpoint="/rm",
                           max_new_tokens=32)),
-    ("configs/runs/online_dpo.gin", ["DPO_BETA = 0.2", "REWARD_CHECKPOINT_PATH = '/rm'", "INITIAL_CHECKPOINT_PATH = '/b'"],
+    ("configs/runs/online_dpo.gin",
+     ["DPO_BETA = 0.2", "REWARD_CHECKPOINT_PATH = '/rm'", "INITIAL_CHECKPOINT_PATH = '/b'"],
      online_dpo_recipe.OnlineDpoConfig(beta=0.2, reward="reward_model", reward_checkpoint="/rm", max_new_tokens=32)),
     ("configs/runs/pretrain.gin", [], config_lib.LanguageModelConfig()),
 ])

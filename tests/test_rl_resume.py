@@ -48,7 +48,8 @@ METHODS = {  # gin file, its flags, which data, SEQ_LEN, the logged keys that mu
 def _launch(method, model_dir, data_dir, base_dir, *, steps=STEPS, mesh="'data': 2", devices=2, extra=()):
   flags, _, seq_len, _ = METHODS[method]
   args = [sys.executable, "-m", "t5x_like.train", "--gin_file=configs/models/gpt_tiny.gin", *flags,
-          f"--gin.MODEL_DIR='{model_dir}'", f"--gin.DATA_DIR='{data_dir}'", f"--gin.INITIAL_CHECKPOINT_PATH='{base_dir}'",
+          f"--gin.MODEL_DIR='{model_dir}'", f"--gin.DATA_DIR='{data_dir}'",
+          f"--gin.INITIAL_CHECKPOINT_PATH='{base_dir}'",
           f"--gin.TRAIN_STEPS={steps}", "--gin.LOG_EVERY=1", "--gin.EVAL_EVERY=0", f"--gin.CHECKPOINT_EVERY={EVERY}",
           f"--gin.SEQ_LEN={seq_len}", f"--gin.MESH_SHAPE={{'pipeline': 1, {mesh}, 'fsdp': 1, 'tensor': 1}}",
           "--gin.model.GPTConfig.dtype='float32'", f"--gin.model.GPTConfig.max_len={seq_len}",

@@ -226,7 +226,9 @@ def preprocess_preference(inputs: Sequence[str] | str, output_dir: str, *, token
     raise ValueError(f"No {'labelled examples' if unpaired else 'preference pairs'} left in {len(files)} input "
                      f"file(s) (dropped: "
                      f"{data_dir.by_prefix(counts, 'dropped_')}; first: {result.malformed_lines[:1]})")
-  extra = {"inputs": len(files), "chat_template": dataclasses.asdict(template), **({"unpaired": True} if unpaired else {})}
+  extra = {"inputs": len(files), "chat_template": dataclasses.asdict(template)}
+  if unpaired:
+    extra["unpaired"] = True
   path, manifest, splits, most = preference.write_data_dir(
       output_dir, tok, pairs, pack_length=pack_length, validation_fraction=validation_fraction, seed=seed,
       num_train_shards=num_train_shards, num_validation_shards=num_validation_shards, counts=counts, extra=extra)

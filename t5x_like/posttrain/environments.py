@@ -8,8 +8,8 @@ chat template has no tool role), or done with the episode's reward.
 An episode (`play`): the prompt, then turns of [the policy's sampled tokens, exactly as the engine produced them
 (token in, token out: never re-tokenised from text); the environment's reply rendered by the chat template] until
 the environment says done, the episode reaches GrpoConfig.max_turns assistant turns (cut and counted, reward 0),
-or its tokens would pass SEQ_LEN + 1 or the model's max_len (cut and counted, reward 0). The policy's tokens get loss weight 1, the
-environment's 0. An environment that raises on an episode drops it (reward NaN: counted and never trained on).
+or its tokens would pass SEQ_LEN + 1 or the model's max_len (cut and counted, reward 0). The policy's tokens get
+loss weight 1, the environment's 0. An environment that raises on an episode drops it (reward NaN: counted and never trained on).
 
 The shipped environment, `calculator`: a question "a op b" (posttrain/environments.py `calculator_examples`), a
 tool call "calc <expression>" answered "= <value>", and a final answer. Reward 1 when the episode called the tool

@@ -3,7 +3,8 @@ unpaired thumbs-up / thumbs-down data (`preprocess --format=unpaired`), or prefe
 (each pair's chosen response desirable, its rejected one undesirable, as TRL's conversion of paired data does).
 
 A batch holds rows in the pair layout DPO reads (data/preference.py); an unpaired example is a pair slot with one
-side present: the chosen side for a desirable example, the rejected side for an undesirable one. Per response y to prompt x, with
+side present: the chosen side for a desirable example, the rejected side for an undesirable one. Per response y
+to prompt x, with
 r(y) = log π(y|x) − log π_ref(y|x) (summed over the response tokens) and z0 the KL reference point:
 
   desirable y:    λ_D · (1 − σ(β · (r(y) − z0)))

@@ -68,7 +68,8 @@ def format_match(completions, references, prompts, *, config):
   try:
     pattern = re.compile(config.reward_format, re.DOTALL)
   except re.error as e:
-    raise ValueError(f"{type(config).__name__}.reward_format={config.reward_format!r} is not a valid regex: {e}") from None
+    raise ValueError(f"{type(config).__name__}.reward_format={config.reward_format!r} is not a valid regex: "
+                     f"{e}") from None
   return [float(pattern.fullmatch(c.strip()) is not None) for c in completions]
 
 

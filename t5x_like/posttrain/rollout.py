@@ -335,10 +335,10 @@ class Rollouts:
     rows = self.rows_of(episodes, advantages)
     batch = self.exp.global_batch(self.process_rows(rows))  # on-policy: no old log-probs (posttrain/grpo.py)
     gap = self.logprob_gap(params, batch, rows["weights"], episodes)
-    grouped = episodes.rewards.reshape(-1, self.group)
-    return batch, {**episodes.metrics(), "reward_group_std": float(np.nanstd(grouped, axis=1).mean()),
-                   "groups_without_signal": float(np.mean(~(np.nanstd(grouped, axis=1) > 0))),
-                   "rollout/logprob_gap": gap}
+    spread = np.array([g[np.isfinite(g)].std() if np.isfinite(g).any() else 0.0
+                       for g in episodes.rewards.reshape(-1, self.group)])  # within each group, of its kept episodes
+    return batch, {**episodes.metrics(), "reward_group_std": float(spread.mean()),
+                   "groups_without_signal": float(np.mean(spread == 0)), "rollout/logprob_gap": gap}
 
   def process_rows(self, rows: dict) -> dict:
     """This process's rows of a global batch every process built whole (consecutive blocks per process)."""

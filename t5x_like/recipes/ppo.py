@@ -66,8 +66,8 @@ class PpoConfig(base.RolloutConfig):
                        "(configs/runs/grpo.gin); PPO's GAE does not yet carry values across the environment's turns")
     if self.critic_checkpoint:
       self.critic_head_shape(run)  # a head that does not fit is an error now, before anything compiles
-    return ppo.Ppo(ppo.value_head_forward(run.model.apply, run.model_config), clip_epsilon=self.clip_epsilon, value_clip=self.value_clip,
-                   vf_coef=self.vf_coef)
+    return ppo.Ppo(ppo.value_head_forward(run.model.apply, run.model_config), clip_epsilon=self.clip_epsilon,
+                   value_clip=self.value_clip, vf_coef=self.vf_coef)
 
   def critic_head_shape(self, run) -> tuple:
     """The shape of critic_checkpoint's score head, checked against the policy's value head.
