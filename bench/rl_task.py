@@ -58,17 +58,22 @@ def prepare(root: str, sft_steps: int):
   data_dir = f"{root}/data"
   preprocessing.preprocess([train_file], data_dir, tokenizer=tok.path, data_format="chat", num_train_shards=1,
                            validation_fraction=0.1, progress=False, cache_dir=None)
+  return data_dir, sft_run(root, data_dir, sft_steps)
+
+
+def sft_run(root: str, data_dir: str, steps: int, model=MODEL) -> str:
+  """ROOT/sft: `steps` of SFT (batch 16, SEQ_LEN 32, lr 1e-2) on a chat DATA_DIR from a random base (ROOT/base)."""
   base_dir, sft_dir = f"{root}/base", f"{root}/sft"
   sft = config_lib.TrainConfig(
-      model_dir=sft_dir, data_dir=data_dir, train_steps=sft_steps, batch_size=16, seq_len=32, log_every=50,
-      eval_every=0, checkpoint_every=sft_steps, mesh_shape={"data": -1},
+      model_dir=sft_dir, data_dir=data_dir, train_steps=steps, batch_size=16, seq_len=32, log_every=50,
+      eval_every=0, checkpoint_every=steps, mesh_shape={"data": -1},
       data=data_lib.DataConfig(eval_batches=0, shuffle_buffer=256),
       checkpoint=checkpointing.CheckpointConfig(async_save=False, warm_start_from=base_dir, warm_start_required=True))
   sft_opt = optimizer_lib.OptimizerConfig(learning_rate=1e-2, warmup_steps=10, decay="constant")
-  exp = experiment_lib.Experiment(sft, MODEL, sft_opt)
+  exp = experiment_lib.Experiment(sft, model, sft_opt)
   checkpointing.save_params(base_dir, random_params(partitioning.unbox(exp.boxed_params), np.random.RandomState(1)))
-  trainer.train(sft, MODEL, sft_opt)
-  return data_dir, sft_dir
+  trainer.train(sft, model, sft_opt)
+  return sft_dir
 
 
 def run_method(method: str, args, data_dir: str, sft_dir: str, root: str) -> dict:

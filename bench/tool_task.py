@@ -22,11 +22,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import numpy as np  # pylint: disable=g-import-not-at-top
 
-from t5x_like import data as data_lib  # pylint: disable=g-import-not-at-top
+import rl_task  # pylint: disable=g-import-not-at-top  (bench/rl_task.py: the SFT both tasks start from)
+from t5x_like import data as data_lib
 from t5x_like.data import preprocessing
 from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.model import decoder as model_lib
-from t5x_like.parallel import partitioning
 from t5x_like.posttrain import environments
 from t5x_like.recipes import experiment as experiment_lib
 from t5x_like.recipes import grpo as grpo_recipe
@@ -61,23 +61,9 @@ def prepare(root: str, num_sft: int = 2000, num_prompts: int = 600):
   return sft_dir, rl_dir
 
 
-def random_params(abstract, rng):
-  return {k: random_params(v, rng) if isinstance(v, dict) else
-          ((k == "scale") + rng.normal(0.0, 0.05, v.shape)).astype(np.float32) for k, v in sorted(abstract.items())}
-
-
 def sft_run(root: str, data_dir: str, steps: int) -> str:
-  base_dir, sft_dir = f"{root}/base", f"{root}/sft"
-  config = config_lib.TrainConfig(
-      model_dir=sft_dir, data_dir=data_dir, train_steps=steps, batch_size=16, seq_len=32, log_every=50,
-      eval_every=0, checkpoint_every=steps, mesh_shape={"data": -1},
-      data=data_lib.DataConfig(eval_batches=0, shuffle_buffer=256),
-      checkpoint=checkpointing.CheckpointConfig(async_save=False, warm_start_from=base_dir, warm_start_required=True))
-  opt = optimizer_lib.OptimizerConfig(learning_rate=1e-2, warmup_steps=10, decay="constant")
-  exp = experiment_lib.Experiment(config, MODEL, opt)
-  checkpointing.save_params(base_dir, random_params(partitioning.unbox(exp.boxed_params), np.random.RandomState(1)))
-  trainer.train(config, MODEL, opt)
-  return sft_dir
+  """ROOT/sft: bench/rl_task.py's SFT of this task's MODEL from a random base."""
+  return rl_task.sft_run(root, data_dir, steps, MODEL)
 
 
 def grpo_config(model_dir: str, data_dir: str, sft_dir: str, *, steps: int, prompts: int, group: int,

@@ -169,21 +169,28 @@ def layout_batch(seed=3):
   return batch
 
 
-def train_on_layout(initial, mesh_shape, *, num_microbatches=1, devices=None):
-  mesh, cfg, _, tx, lr_fn = layouts.make_layout(mesh_shape, devices=devices)
-  model = heads.ScoredGPT(cfg)
-  objective = ppo.Ppo(ppo.value_head_forward(model.apply, cfg), vf_coef=0.5)
+def train_on_layout(method, initial, mesh_shape, *, reference=None, num_microbatches=1, devices=None):
+  """(losses, gradient norms and a method metric per step; final parameters) of 3 steps of `method` ('ppo': the
+  policy with its value head; 'grpo': the plain decoder against a frozen `reference`) on one rollout batch."""
+  mesh, cfg, model, tx, lr_fn = layouts.make_layout(mesh_shape, devices=devices)
+  if method == "ppo":
+    model = heads.ScoredGPT(cfg)
+    objective, metric = ppo.Ppo(ppo.value_head_forward(model.apply, cfg), vf_coef=0.5), "value_loss"
+  else:
+    objective, metric = grpo.Grpo(model.apply, clip_epsilon=0.2, beta=0.1), "kl"
   with jax.set_mesh(mesh), nn.logical_axis_rules(layouts.RULES):
     _, shardings = train_state.state_shardings(model, tx, mesh, layouts.RULES)
     state = jax.device_put(initial, shardings)
+    frozen_shardings = {grpo.REFERENCE: shardings.params} if reference is not None else {}
+    frozen = {k: jax.device_put(reference, v) for k, v in frozen_shardings.items()}
     batch_sharding = partitioning.batch_sharding(mesh, layouts.RULES)
-    batch = {k: jax.device_put(v, batch_sharding) for k, v in layout_batch().items()}
+    batch = {k: jax.device_put(v, batch_sharding) for k, v in layout_batch().items() if k in objective.features}
     step = step_lib.jit_train_step(step_lib.make_train_step(objective, tx, lr_fn, num_microbatches=num_microbatches),
-                                   shardings, batch_sharding, objective.features)
+                                   shardings, batch_sharding, objective.features, frozen_shardings)
     history = []
     for _ in range(layouts.STEPS):
-      state, metrics = step(state, batch, {})
-      history.append((float(metrics["loss"]), float(metrics["grad_norm"]), float(metrics["value_loss"])))
+      state, metrics = step(state, batch, frozen)
+      history.append((float(metrics["loss"]), float(metrics["grad_norm"]), float(metrics[metric])))
   return np.array(history), jax.tree.map(np.asarray, state.params)
 
 
@@ -204,30 +211,10 @@ def ppo_layouts():
 def test_ppo_step_on_a_layout_equals_one_device(mesh_shape, microbatches, ppo_layouts):
   initial, runs = ppo_layouts
   if "single" not in runs:
-    runs["single"] = train_on_layout(initial, {"data": 1}, devices=jax.devices()[:1])
-  result = train_on_layout(initial, mesh_shape, num_microbatches=microbatches)
+    runs["single"] = train_on_layout("ppo", initial, {"data": 1}, devices=jax.devices()[:1])
+  result = train_on_layout("ppo", initial, mesh_shape, num_microbatches=microbatches)
   layouts.assert_same_training(result, runs["single"])
   assert result[0][-1, 2] < result[0][0, 2]  # the value head learns too
-
-
-def train_grpo_on_layout(initial, reference, mesh_shape, *, num_microbatches=1, devices=None):
-  """GRPO's step (clipped ratio to old log-probs, k3 KL to a frozen reference) on the same rollout features."""
-  mesh, _, model, tx, lr_fn = layouts.make_layout(mesh_shape, devices=devices)
-  objective = grpo.Grpo(model.apply, clip_epsilon=0.2, beta=0.1)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(layouts.RULES):
-    _, shardings = train_state.state_shardings(model, tx, mesh, layouts.RULES)
-    state = jax.device_put(initial, shardings)
-    frozen_shardings = {grpo.REFERENCE: shardings.params}
-    frozen = {grpo.REFERENCE: jax.device_put(reference, shardings.params)}
-    batch_sharding = partitioning.batch_sharding(mesh, layouts.RULES)
-    batch = {k: jax.device_put(v, batch_sharding) for k, v in layout_batch().items() if k in objective.features}
-    step = step_lib.jit_train_step(step_lib.make_train_step(objective, tx, lr_fn, num_microbatches=num_microbatches),
-                                   shardings, batch_sharding, objective.features, frozen_shardings)
-    history = []
-    for _ in range(layouts.STEPS):
-      state, metrics = step(state, batch, frozen)
-      history.append((float(metrics["loss"]), float(metrics["grad_norm"]), float(metrics["kl"])))
-  return np.array(history), jax.tree.map(np.asarray, state.params)
 
 
 @pytest.mark.slow  # ≈ 15-20 s each on 2 loaded cores
@@ -240,11 +227,11 @@ def test_grpo_step_on_a_layout_equals_one_device(mesh_shape, microbatches, ppo_l
     initial = layouts.host_initial_state()  # the plain decoder: GRPO has no value head
     rng = np.random.RandomState(2)
     reference = jax.tree.map(lambda x: (x + rng.normal(0.0, 0.02, x.shape)).astype(x.dtype), initial.params)
-    runs["grpo"] = (initial, reference, train_grpo_on_layout(initial, reference, {"data": 1},
-                                                             devices=jax.devices()[:1]))
+    runs["grpo"] = (initial, reference, train_on_layout("grpo", initial, {"data": 1}, reference=reference,
+                                                        devices=jax.devices()[:1]))
   initial, reference, single = runs["grpo"]
-  layouts.assert_same_training(train_grpo_on_layout(initial, reference, mesh_shape, num_microbatches=microbatches),
-                               single)
+  layouts.assert_same_training(train_on_layout("grpo", initial, mesh_shape, reference=reference,
+                                               num_microbatches=microbatches), single)
 
 
 # ----------------------------------------------------------------------------------------------------

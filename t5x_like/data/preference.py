@@ -67,6 +67,16 @@ def _response(value, key: str) -> str:
                            "\"content\": str}]")
 
 
+def _check_keys(obj, keys: Sequence[str]) -> None:
+  """A line must be a JSON object holding `keys` (wrong_shape, missing_key otherwise)."""
+  if not isinstance(obj, dict):
+    raise chat.MalformedLine("wrong_shape", f"a JSON {type(obj).__name__}, not an object with "
+                             f"{', '.join(repr(k) for k in keys)}")
+  missing = [k for k in keys if k not in obj]
+  if missing:
+    raise chat.MalformedLine("missing_key", f"missing key {', '.join(repr(k) for k in missing)}")
+
+
 def parse_prompt(prompt) -> list[tuple[str, str]]:
   """The messages of a line's "prompt": a string (one user turn) or a message list in the chat format.
 
@@ -92,12 +102,7 @@ def parse_pair(obj) -> tuple[list[tuple[str, str]], str, str]:
     chat.MalformedLine: not an object, a missing key (missing_key), a wrong shape, an empty prompt or
       response (empty_content), or chosen equal to rejected (same_response).
   """
-  if not isinstance(obj, dict):
-    raise chat.MalformedLine("wrong_shape", f"a JSON {type(obj).__name__}, not an object with "
-                             "'prompt', 'chosen' and 'rejected'")
-  missing = [k for k in KEYS if k not in obj]
-  if missing:
-    raise chat.MalformedLine("missing_key", f"missing key {', '.join(repr(k) for k in missing)}")
+  _check_keys(obj, KEYS)
   messages = parse_prompt(obj["prompt"])
   chosen, rejected = _response(obj["chosen"], "chosen"), _response(obj["rejected"], "rejected")
   for key, text in (("chosen", chosen), ("rejected", rejected)):
@@ -133,12 +138,7 @@ def render_example(encoder: chat.ChatEncoder, obj) -> Pair:
     chat.MalformedLine: a missing key (missing_key: a line without its label among them), a label that is not
       true or false (wrong_shape), an empty prompt or completion (empty_content).
   """
-  if not isinstance(obj, dict):
-    raise chat.MalformedLine("wrong_shape", f"a JSON {type(obj).__name__}, not an object with 'prompt', "
-                             "'completion' and 'label'")
-  missing = [k for k in UNPAIRED_KEYS if k not in obj]
-  if missing:
-    raise chat.MalformedLine("missing_key", f"missing key {', '.join(repr(k) for k in missing)}")
+  _check_keys(obj, UNPAIRED_KEYS)
   if not isinstance(obj["label"], bool):
     raise chat.MalformedLine("wrong_shape", f"'label' must be true or false, got {obj['label']!r}")
   messages, completion = parse_prompt(obj["prompt"]), _response(obj["completion"], "completion")
