@@ -9,12 +9,13 @@ import sys
 import numpy as np
 import pytest
 
+from tests.test_grpo import evaluate_start
+
 from t5x_like.data import chat
 from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.posttrain import environments
 from t5x_like.posttrain import rollout
 from t5x_like.recipes import experiment as experiment_lib
-from t5x_like.training import checkpointing
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import trainer
 
@@ -128,10 +129,7 @@ def test_grpo_with_the_calculator_learns_to_call_the_tool_and_answer(tmp_path):
   sft_dir = tool_task.sft_run(root, sft_data, SFT_STEPS)
   config = tool_task.grpo_config(f"{root}/grpo", rl_data, sft_dir, steps=STEPS, prompts=16, group=8, eval_every=0)
   opt = optimizer_lib.OptimizerConfig(learning_rate=3e-3, warmup_steps=5, decay="constant", weight_decay=0.0)
-  exp = experiment_lib.Experiment(config, tool_task.MODEL, opt)
-  with exp.context():
-    _, params = checkpointing.restore_params(sft_dir, abstract_params=exp.abstract_with_shardings().params)
-  before = exp.evaluate(params)
+  before = evaluate_start(experiment_lib.Experiment(config, tool_task.MODEL, opt), sft_dir)
   after = trainer.train(config, tool_task.MODEL, opt)
   print({k: (round(before[k], 3), round(after[k], 3)) for k in before})
   assert 0.3 <= before["eval/reward_mean"] <= 0.8

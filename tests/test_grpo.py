@@ -143,6 +143,19 @@ def grpo_config(model_dir, data_dir, sft_dir, **objective):
 GRPO_OPT = optimizer_lib.OptimizerConfig(learning_rate=3e-3, warmup_steps=10, decay="constant", weight_decay=0.0)
 
 
+def evaluate_start(exp, checkpoint: str, **extra) -> dict:
+  """`exp`'s own evaluation (the recipe's: greedy answers to the validation prompts) of a checkpoint's parameters
+  restored onto its mesh, before any training; `extra` adds parameters the checkpoint lacks (PPO's value head)."""
+  with exp.context():
+    _, params = checkpointing.restore_params(checkpoint, abstract_params=exp.abstract_with_shardings().params)
+    return exp.evaluate({**params, **extra})
+
+
+def logged(model_dir) -> dict:
+  """{step: its training record} of a run's metrics.jsonl."""
+  return {r["step"]: r for r in map(json.loads, open(os.path.join(model_dir, "metrics.jsonl"))) if "loss" in r}
+
+
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory):
   """(chat DATA_DIR of 'reverse two words' with a held-out split, the JSON-lines file it was made from, a file of 40
@@ -265,16 +278,13 @@ def test_grpo_raises_the_held_out_reward_and_a_resumed_run_repeats_the_same_roll
   data_dir, _, sft_dir, _ = sft
   config = grpo_config(tmp_path / "grpo", data_dir, sft_dir)
   exp = experiment_lib.Experiment(config, MODEL, GRPO_OPT)
-  with exp.context():
-    _, sft_params = checkpointing.restore_params(sft_dir, abstract_params=exp.abstract_with_shardings().params)
-  before = exp.evaluate(sft_params)
+  before = evaluate_start(exp, sft_dir)
   after = trainer.train(config, MODEL, GRPO_OPT)
   print("held-out reward", before["eval/reward_mean"], "→", after["eval/reward_mean"])
   assert before["eval/prompts"] == after["eval/prompts"] == exp.manifest["splits"]["validation"]["num_documents"]
   assert 0.5 <= before["eval/reward_mean"] <= 0.8  # the SFT model is half-way there
   assert after["eval/reward_mean"] >= before["eval/reward_mean"] + 0.08
   assert after["eval/exact_match"] == after["eval/reward_mean"]  # the reward is exact match here
-  logged = lambda d: {r["step"]: r for r in map(json.loads, open(os.path.join(d, "metrics.jsonl"))) if "loss" in r}
   first = logged(tmp_path / "grpo")
   assert first[GRPO_STEPS]["reward_mean"] >= first[5]["reward_mean"] + 0.1  # the samples improve too
   assert first[GRPO_STEPS]["kl"] == 0.0 and first[GRPO_STEPS]["clip_fraction"] < 0.05

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from tests.test_finetune import CHAT_MODEL
 from tests.test_grpo import chat_data, sft  # pylint: disable=unused-import  (fixtures)
+from tests.test_grpo import evaluate_start
 
 from t5x_like import data as data_lib
 from t5x_like.data import packing
@@ -72,10 +73,7 @@ def test_online_dpo_raises_held_out_exact_match_without_collapsing_length(sft, t
   and the rollouts' log-probs are the trainer's."""
   data_dir, _, sft_dir, _ = sft
   config = odpo_config(tmp_path / "odpo", data_dir, sft_dir)
-  exp = experiment_lib.Experiment(config, MODEL, OPT)
-  with exp.context():
-    _, sft_params = checkpointing.restore_params(sft_dir, abstract_params=exp.abstract_with_shardings().params)
-  before = exp.evaluate(sft_params)
+  before = evaluate_start(experiment_lib.Experiment(config, MODEL, OPT), sft_dir)
   after = trainer.train(config, MODEL, OPT)
   print("held-out exact match", before["eval/exact_match"], "→", after["eval/exact_match"], "length",
         before["eval/response_length"], "→", after["eval/response_length"])
@@ -140,10 +138,7 @@ def test_online_dpo_with_a_learned_reward_raises_the_reward_models_score_without
   config = dataclasses.replace(odpo_config(tmp_path / "odpo", data_dir, sft_dir, reward="reward_model",
                                            reward_checkpoint=rm_dir, beta=0.1), train_steps=60)
   opt = dataclasses.replace(OPT, learning_rate=5e-4)
-  exp = experiment_lib.Experiment(config, MODEL, opt)
-  with exp.context():
-    _, sft_params = checkpointing.restore_params(sft_dir, abstract_params=exp.abstract_with_shardings().params)
-  before = exp.evaluate(sft_params)
+  before = evaluate_start(experiment_lib.Experiment(config, MODEL, opt), sft_dir)
   after = trainer.train(config, MODEL, opt)
   print({k: (round(before[k], 3), round(after[k], 3)) for k in before})
   assert after["eval/reward_mean"] >= before["eval/reward_mean"] + 0.2  # measured 4.00 → 4.47

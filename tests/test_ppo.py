@@ -4,7 +4,6 @@ too), and the recipe end to end on a generated chat task (held-out exact match r
 the trainer's, a run resumed inside a rollout cycle repeating the same updates), bad input named in one line."""
 
 import dataclasses
-import json
 import os
 
 import flax.linen as nn
@@ -17,7 +16,8 @@ import pytest
 from tests import conftest
 from tests import test_parallelism as layouts
 from tests.test_finetune import CHAT_MODEL as MODEL
-from tests.test_grpo import chat_data, numpy_logps, sft  # pylint: disable=unused-import  (fixtures)
+from tests.test_grpo import chat_data, sft  # pylint: disable=unused-import  (fixtures)
+from tests.test_grpo import evaluate_start, logged, numpy_logps
 
 from t5x_like import data as data_lib
 from t5x_like.model import heads
@@ -25,7 +25,6 @@ from t5x_like.parallel import partitioning
 from t5x_like.posttrain import grpo
 from t5x_like.posttrain import ppo
 from t5x_like.posttrain import ppo_rollout
-from t5x_like.posttrain import rewards
 from t5x_like.recipes import experiment as experiment_lib
 from t5x_like.recipes import ppo as ppo_recipe
 from t5x_like.training import checkpointing
@@ -195,43 +194,42 @@ def train_on_layout(method, initial, mesh_shape, *, reference=None, num_microbat
 
 
 @pytest.fixture(scope="module")
-def ppo_layouts():
-  """(initial state with a non-zero value head, {'single': the one-device run once made})."""
+def layout_runs():
+  """{method: (initial state, frozen reference or None, its one-device run)}, each made on first use."""
+  return {}
+
+
+def initial_of(method):
+  """(initial host state, reference): PPO's policy with a non-zero value head; GRPO's plain decoder and a reference
+  near it."""
+  if method == "grpo":
+    initial = layouts.host_initial_state()
+    rng = np.random.RandomState(2)
+    return initial, jax.tree.map(lambda x: (x + rng.normal(0.0, 0.02, x.shape)).astype(x.dtype), initial.params)
   mesh, cfg, _, tx, _ = layouts.make_layout({"data": 1}, devices=jax.devices()[:1])
   with jax.set_mesh(mesh), nn.logical_axis_rules(layouts.RULES):
     state, _ = train_state.init_state(heads.ScoredGPT(cfg), tx, jax.random.key(0), mesh, layouts.RULES)
   state = jax.tree.map(np.asarray, state)
   head = np.random.RandomState(1).normal(0, 0.05, state.params[heads.SCORE_HEAD].shape).astype(np.float32)
-  return state.replace(params={**state.params, heads.SCORE_HEAD: head}), {}
+  return state.replace(params={**state.params, heads.SCORE_HEAD: head}), None
 
 
 @pytest.mark.slow  # ≈ 15-25 s each on 2 loaded cores
+@pytest.mark.parametrize("method", ["ppo", "grpo"])
 @pytest.mark.parametrize("mesh_shape, microbatches", [({"data": 2, "fsdp": 2, "tensor": 2}, 2),
                                                       ({"pipeline": 2, "data": 2, "tensor": 2}, 1)])
-def test_ppo_step_on_a_layout_equals_one_device(mesh_shape, microbatches, ppo_layouts):
-  initial, runs = ppo_layouts
-  if "single" not in runs:
-    runs["single"] = train_on_layout("ppo", initial, {"data": 1}, devices=jax.devices()[:1])
-  result = train_on_layout("ppo", initial, mesh_shape, num_microbatches=microbatches)
-  layouts.assert_same_training(result, runs["single"])
-  assert result[0][-1, 2] < result[0][0, 2]  # the value head learns too
-
-
-@pytest.mark.slow  # ≈ 15-20 s each on 2 loaded cores
-@pytest.mark.parametrize("mesh_shape, microbatches", [({"data": 2, "fsdp": 2, "tensor": 2}, 2),
-                                                      ({"pipeline": 2, "data": 2, "tensor": 2}, 1)])
-def test_grpo_step_on_a_layout_equals_one_device(mesh_shape, microbatches, ppo_layouts):
-  """GRPO's update (tests/test_grpo.py checks it against a hand computation) on the same layouts as PPO's."""
-  _, runs = ppo_layouts
-  if "grpo" not in runs:
-    initial = layouts.host_initial_state()  # the plain decoder: GRPO has no value head
-    rng = np.random.RandomState(2)
-    reference = jax.tree.map(lambda x: (x + rng.normal(0.0, 0.02, x.shape)).astype(x.dtype), initial.params)
-    runs["grpo"] = (initial, reference, train_on_layout("grpo", initial, {"data": 1}, reference=reference,
-                                                        devices=jax.devices()[:1]))
-  initial, reference, single = runs["grpo"]
-  layouts.assert_same_training(train_on_layout("grpo", initial, mesh_shape, reference=reference,
-                                               num_microbatches=microbatches), single)
+def test_step_on_a_layout_equals_one_device(method, mesh_shape, microbatches, layout_runs):
+  """PPO's step (the value head included) and GRPO's (against its frozen reference; tests/test_grpo.py checks it by
+  hand) on data×fsdp×tensor with 2 accumulation microbatches and on a pipeline layout, against one device."""
+  if method not in layout_runs:
+    initial, reference = initial_of(method)
+    layout_runs[method] = (initial, reference, train_on_layout(method, initial, {"data": 1}, reference=reference,
+                                                               devices=jax.devices()[:1]))
+  initial, reference, single = layout_runs[method]
+  result = train_on_layout(method, initial, mesh_shape, reference=reference, num_microbatches=microbatches)
+  layouts.assert_same_training(result, single)
+  if method == "ppo":
+    assert result[0][-1, 2] < result[0][0, 2]  # the value head learns too
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -252,10 +250,6 @@ def ppo_config(model_dir, data_dir, sft_dir, **recipe):
                                                          "num_minibatches": 2, "vf_coef": 0.5, **recipe}))
 
 
-def logged(model_dir):
-  return {r["step"]: r for r in map(json.loads, open(os.path.join(model_dir, "metrics.jsonl"))) if "loss" in r}
-
-
 @pytest.mark.slow  # the SFT fixture (100 steps), 40 + 30 PPO steps with 10 + 8 rollouts (≈ 30 s on 2 cores)
 def test_ppo_raises_held_out_exact_match_with_trainer_equal_logprobs_and_resumes_inside_a_cycle(sft, tmp_path):
   """PPO from the SFT model with the exact-match reward (2 epochs × 2 minibatches of 64 per rollout of 128): the
@@ -267,9 +261,7 @@ def test_ppo_raises_held_out_exact_match_with_trainer_equal_logprobs_and_resumes
   data_dir, _, sft_dir, _ = sft
   config = ppo_config(tmp_path / "ppo", data_dir, sft_dir)
   exp = experiment_lib.Experiment(config, MODEL, PPO_OPT)
-  with exp.context():
-    _, sft_params = checkpointing.restore_params(sft_dir, abstract_params=exp.abstract_with_shardings().params)
-    before = exp.evaluate({**sft_params, heads.SCORE_HEAD: jnp.zeros((MODEL.d_model, 1))})
+  before = evaluate_start(exp, sft_dir, **{heads.SCORE_HEAD: jnp.zeros((MODEL.d_model, 1))})
   after = trainer.train(config, MODEL, PPO_OPT)
   print("held-out exact match", before["eval/exact_match"], "→", after["eval/exact_match"])
   assert after["eval/exact_match"] >= before["eval/exact_match"] + 0.07
