@@ -30,6 +30,7 @@ setuptools.setup(
         "absl-py>=2.1.0",
         "numpy>=2.0",
         "etils[epath]>=1.7",
+        "jinja2>=3.1",  # convert from_hf: a model's chat template (Jinja) read into a data.ChatTemplate
         "safetensors>=0.4",  # python -m t5x_like.convert reads and writes Hugging Face weights (numpy, no torch)
         "pyarrow>=14",  # preprocess: Parquet inputs and `datasets.save_to_disk` folders (read without `datasets`)
         "zstandard>=0.22",  # preprocess: *.jsonl.zst / *.txt.zst inputs

@@ -6,10 +6,13 @@ Gemma 2 / Gemma 3 checkpoints in and out (docs/interop.md).
       [--gin_file=... --gin.NAME=VALUE]   (default model config: MODEL_DIR/model.gin, else MODEL_DIR/config.gin)
 """
 
+import os
+
 from absl import flags
 import tensorflow as tf
 
 from t5x_like import cli as gin_utils
+from t5x_like.interop import chat_templates
 from t5x_like.interop import hf
 from t5x_like.model import decoder as model
 
@@ -55,7 +58,9 @@ def main(argv):
   if argv[1] == "from_hf":
     config = hf.import_hf(FLAGS.hf_dir, FLAGS.output_dir)
     print(f"wrote {FLAGS.output_dir}: checkpoints/0, {hf.MODEL_GIN} ({config.num_layers} layers, d_model "
-          f"{config.d_model}, vocabulary {config.valid_vocab_size} padded to {config.vocab_size})", flush=True)
+          f"{config.d_model}, vocabulary {config.valid_vocab_size} padded to {config.vocab_size})"
+          + (f", {chat_templates.GIN_FILE}" if os.path.isfile(os.path.join(FLAGS.output_dir, chat_templates.GIN_FILE))
+             else ""), flush=True)
   else:
     config = export_config(FLAGS.model_dir, FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.gin_search_paths)
     step = hf.export_hf(FLAGS.model_dir, FLAGS.output_dir, config, step=FLAGS.step,

@@ -175,7 +175,8 @@ def test_data_dir_manifest_and_documents(chat_dir, raw, enc):
   manifest = ip.load_manifest(out)
   assert manifest["format"] == "chat" and manifest["features"] == ["tokens", "weights"]
   assert manifest["chat_template"] == {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>",
-                                       "end": "<|end|>", "separator": "\n", "default_system": ""}
+                                       "end": "<|end|>", "separator": "\n", "default_system": "",
+                                       "prefix": ""}
   assert chat.template_from_manifest(manifest) == chat.ChatTemplate()
   examples = lines_of(raw)
   assert report["documents_out"] == len(examples) == 37 and report["dropped"] == {}
@@ -342,5 +343,5 @@ def test_template_marker_error_through_preprocess_names_the_data_dir_tokenizer(c
     pp.preprocess([raw[2]], str(tmp_path / "o2"), tokenizer=out, data_format="chat",
                   chat_template=chat.ChatTemplate(end="<|eot|>"), progress=False, cache_dir=None)
   assert str(e.value) == ("chat template marker '<|eot|>' (ChatTemplate.end) is not a single token of the "
-                          f"tokenizer '{out}/tokenizer.model': use a tokenizer that reserves it, or bind "
-                          "data.ChatTemplate.end")
+                          f"tokenizer '{out}/tokenizer.model' (nor text that starts with one of its special tokens): "
+                          "use a tokenizer that reserves it, or bind data.ChatTemplate.end")

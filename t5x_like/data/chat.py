@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant")
 # Why a JSON line is not used; each is counted as dropped_malformed_<reason> in the preprocess report.
 MALFORMED_REASONS = ("bad_json", "wrong_shape", "unknown_role", "no_assistant", "empty_content",
-                     "marker_in_content")
+                     "marker_in_content", "system_unsupported")
 EXAMPLES_KEPT = 10  # malformed lines named (file:line) in the report and in warnings
 
 
@@ -30,11 +30,14 @@ class ChatTemplate:
 
     <|system|>Be brief.<|end|>\\n<|user|>Hi<|end|>\\n<|assistant|>Hello!<|end|>\\n<EOS>
 
-  Markers are looked up as single tokens (never encoded from text), so they cannot merge with the
-  content next to them; the defaults are `tokenizer.CHAT_TOKENS`, reserved in every tokenizer the
-  project trains. Loss weights: 1 on each assistant turn's content tokens and its end marker (the
-  model learns to answer and to stop), 0 on markers, separators, system and user turns and the EOS.
-  Bound in gin as `data.ChatTemplate.<field>`; a chat DATA_DIR records the template it was written with.
+  A marker starts with a single token of the tokenizer, looked up as such (never encoded from text), so it
+  cannot merge with the content next to it; what follows that token is encoded as text. The defaults are
+  single tokens, `tokenizer.CHAT_TOKENS`, reserved in every tokenizer the project trains; a Hugging Face
+  model's template has markers such as ChatML's `<|im_start|>user\n` (`interop.chat_templates` derives
+  them). `end` must be one token (generation stops at it). Loss weights: 1 on each assistant turn's
+  content tokens and its end marker (the model learns to answer and to stop), 0 on the prefix, markers,
+  separators, system and user turns and the EOS. Bound in gin as `data.ChatTemplate.<field>`; a chat
+  DATA_DIR records the template it was written with.
   """
   system: str = tokenizer_lib.CHAT_TOKENS[0]     # opens a system turn
   user: str = tokenizer_lib.CHAT_TOKENS[1]       # opens a user turn
@@ -42,10 +45,12 @@ class ChatTemplate:
   end: str = tokenizer_lib.CHAT_TOKENS[3]        # closes every turn
   separator: str = "\n"                          # text after each end marker ("" for none); weight 0
   default_system: str = ""                       # system turn put first when a conversation has none ("": none)
+  prefix: str = ""                               # text before the first turn (a BOS token); weight 0
 
   def markers(self) -> dict[str, str]:
-    """{name: marker} of the single-token markers the template needs."""
-    return {"system": self.system, "user": self.user, "assistant": self.assistant, "end": self.end}
+    """{name: marker} of the markers the template needs (no system marker: the template has no system turn)."""
+    names = ("system", "user", "assistant", "end") if self.system else ("user", "assistant", "end")
+    return {name: getattr(self, name) for name in names}
 
 
 def template_from_manifest(manifest: dict) -> ChatTemplate:
@@ -173,31 +178,47 @@ class ChatEncoder:
       tokenizer_path: named in errors (default: `tokenizer.path`).
 
     Raises:
-      ValueError: a marker that is not a single token of the tokenizer (naming both).
+      ValueError: a marker that does not start with a single token of the tokenizer, an end marker that is not
+        one token, markers that are not distinct (naming them and the tokenizer).
     """
     self.tokenizer, self.template, self.train_on_prompt = tokenizer, template, train_on_prompt
     path = tokenizer_path or getattr(tokenizer, "path", None) or "<in memory>"
-    self.marker_ids = {}
-    for name, piece in template.markers().items():
-      i = token_id(tokenizer, piece)
-      if i is None:
-        raise ValueError(f"chat template marker {piece!r} (ChatTemplate.{name}) is not a single token of the "
-                         f"tokenizer '{path}': use a tokenizer that reserves it, or bind data.ChatTemplate.{name}")
-      self.marker_ids[name] = i
-    if len(set(self.marker_ids.values())) < len(self.marker_ids):
+    if template.default_system and not template.system:
+      raise ValueError("data.ChatTemplate.default_system needs a system marker (ChatTemplate.system is empty)")
+    self.marker_seqs = {}  # name → the marker's token ids
+    for name, text in template.markers().items():
+      ids = marker_tokens(tokenizer, text)
+      if ids is None:
+        raise ValueError(f"chat template marker {text!r} (ChatTemplate.{name}) is not a single token of the "
+                         f"tokenizer '{path}' (nor text that starts with one of its special tokens): use a tokenizer "
+                         f"that reserves it, or bind data.ChatTemplate.{name}")
+      self.marker_seqs[name] = tuple(ids)
+    if len(self.marker_seqs["end"]) != 1:
+      raise ValueError(f"chat template end marker {template.end!r} is {len(self.marker_seqs['end'])} tokens of "
+                       f"'{path}': it must be one token (generation stops at it)")
+    if len(set(self.marker_seqs.values())) < len(self.marker_seqs):
       raise ValueError(f"chat template markers {template.markers()} are not distinct tokens of '{path}'")
+    self.marker_ids = {name: ids[0] for name, ids in self.marker_seqs.items()}  # name → the marker's first token
+    self.end_id = self.marker_ids["end"]
     self.separator_ids = list(tokenizer.encode(template.separator)) if template.separator else []
-    self._markers = tuple(template.markers().values())
+    self.prefix_ids = (marker_tokens(tokenizer, template.prefix) or list(tokenizer.encode(template.prefix))
+                       if template.prefix else [])
+    # content may not hold a marker, nor the text of a marker's leading token (it would read as that token)
+    self._forbidden = tuple(sorted({text for text in template.markers().values()} | set(
+        marker_pieces(tokenizer, template))))
 
   def _turn(self, role: str, content: str) -> tuple[list[int], list[int]]:
-    if any(m in content for m in self._markers):
+    if role == "system" and "system" not in self.marker_seqs:
+      raise MalformedLine("system_unsupported", "the chat template has no system turn (ChatTemplate.system is empty)")
+    if any(m in content for m in self._forbidden):
       raise MalformedLine("marker_in_content", f"{role} content contains a template marker "
-                          f"({', '.join(m for m in self._markers if m in content)})")
+                          f"({', '.join(m for m in self._forbidden if m in content)})")
     body = list(self.tokenizer.encode(content))
     learn = 1 if (role == "assistant" or self.train_on_prompt) else 0
     prompt = 1 if self.train_on_prompt else 0
-    ids = [self.marker_ids[role]] + body + [self.marker_ids["end"]] + self.separator_ids
-    weights = [prompt] + [learn] * (len(body) + 1) + [prompt] * len(self.separator_ids)
+    marker = list(self.marker_seqs[role])
+    ids = marker + body + [self.end_id] + self.separator_ids
+    weights = [prompt] * len(marker) + [learn] * (len(body) + 1) + [prompt] * len(self.separator_ids)
     return ids, weights
 
   def _turns(self, messages: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -206,12 +227,14 @@ class ChatEncoder:
     return list(messages)
 
   def render(self, messages: Sequence[tuple[str, str]]) -> Rendered:
-    """The whole conversation followed by EOS (one training document).
+    """The whole conversation (after the template's prefix) followed by EOS (one training document).
 
     Raises:
-      MalformedLine("marker_in_content"): a content string holds a template marker.
+      MalformedLine("marker_in_content"): a content string holds a template marker;
+      MalformedLine("system_unsupported"): a system turn, where the template has none.
     """
-    ids, weights, ends, roles = [], [], [], []
+    ids, ends, roles = list(self.prefix_ids), [], []
+    weights = [1 if self.train_on_prompt else 0] * len(ids)
     for role, content in self._turns(messages):
       i, w = self._turn(role, content)
       ids += i
@@ -223,40 +246,85 @@ class ChatEncoder:
     return Rendered(np.asarray(ids, np.int32), np.asarray(weights, np.int32), tuple(ends), tuple(roles))
 
   def prompt_ids(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-    """Token ids that ask for the next assistant turn: the turns as rendered, then the assistant marker."""
-    ids = []
+    """Token ids that ask for the next assistant turn: the prefix, the turns as rendered, the assistant marker."""
+    ids = list(self.prefix_ids)
     for role, content in self._turns(messages):
       ids += self._turn(role, content)[0]
-    return ids + [self.marker_ids["assistant"]]
+    return ids + list(self.marker_seqs["assistant"])
 
   def turns_of(self, ids: Iterable[int]) -> list[tuple[str, str]]:
     """The (role, content) turns of rendered token ids (the inverse of rendering; a turn left open, such as a
     prompt's final assistant marker, is not returned)."""
-    roles = {v: k for k, v in self.marker_ids.items() if k != "end"}
-    out, role, body = [], None, []
-    for i in np.asarray(list(ids)).reshape(-1).tolist():
-      if i in roles:
-        role, body = roles[i], []
-      elif i == self.marker_ids["end"] and role is not None:
+    seqs = sorted(((seq, name) for name, seq in self.marker_seqs.items() if name != "end"), key=lambda x: -len(x[0]))
+    ids = np.asarray(list(ids)).reshape(-1).tolist()
+    out, role, body, k = [], None, [], 0
+    while k < len(ids):
+      opened = next((name, len(seq)) for seq, name in seqs + [((), None)] if tuple(ids[k:k + len(seq)]) == seq)
+      if opened[0] is not None:
+        role, body = opened[0], []
+        k += opened[1]
+        continue
+      if ids[k] == self.end_id and role is not None:
         out.append((role, self.tokenizer.decode(body)))
         role = None
       elif role is not None:
-        body.append(int(i))
+        body.append(int(ids[k]))
+      k += 1
     return out
 
   def next_turn_ids(self, role: str, content: str) -> list[int]:
     """Token ids that follow a generated assistant turn (which ends with its end marker) to add a `role` turn and
     ask for the next assistant turn: the separator, the turn as rendered, then the assistant marker."""
-    return self.separator_ids + self._turn(role, content)[0] + [self.marker_ids["assistant"]]
+    return self.separator_ids + self._turn(role, content)[0] + list(self.marker_seqs["assistant"])
 
   def completion_text(self, ids: Iterable[int]) -> str:
     """The generated assistant text: `ids` up to the first end marker or EOS, decoded."""
     out = []
     for i in np.asarray(list(ids)).reshape(-1).tolist():
-      if i in (self.marker_ids["end"], self.tokenizer.eos_id):
+      if i in (self.end_id, self.tokenizer.eos_id):
         break
       out.append(int(i))
     return self.tokenizer.decode(out)
+
+
+def marker_tokens(tokenizer, text: str) -> list[int] | None:
+  """A marker's token ids, or None when it is not a marker of `tokenizer`.
+
+  A marker is one token (any token: `token_id`), or text that starts with a special piece of the tokenizer
+  (`tokenizer.special_pieces()`: HF added tokens, SentencePiece control and user-defined pieces): every special
+  piece in it is its own id, the text between them is encoded."""
+  whole = token_id(tokenizer, text)
+  if whole is not None:
+    return [whole]
+  special = getattr(tokenizer, "special_pieces", dict)()
+  ids, k, run = [], 0, ""
+  while k < len(text):
+    piece = max((p for p in special if p and text.startswith(p, k)), key=len, default=None)
+    if piece is None:
+      if not ids:
+        return None  # the marker does not start with a special piece
+      run += text[k]
+      k += 1
+      continue
+    ids += list(tokenizer.encode(run)) if run else []
+    ids.append(special[piece])
+    run, k = "", k + len(piece)
+  return ids + (list(tokenizer.encode(run)) if run else [])
+
+
+def marker_pieces(tokenizer, template: ChatTemplate) -> dict[str, int]:
+  """{text: id} of the single tokens the template's markers start with (the whole marker where it is one token; the
+  prefix's too); markers the tokenizer lacks are left out. These are the tokens a base pre-trained on plain text
+  never saw (LoRA's marker rows) and what a text rendering of a conversation must map back to their ids."""
+  special, out = getattr(tokenizer, "special_pieces", dict)(), {}
+  for text in list(template.markers().values()) + ([template.prefix] if template.prefix else []):
+    whole = token_id(tokenizer, text)
+    if whole is not None:
+      out[text] = whole
+    elif marker_tokens(tokenizer, text) is not None:
+      piece = max((p for p in special if p and text.startswith(p)), key=len)
+      out[piece] = special[piece]
+  return out
 
 
 def truncate(doc: Rendered, max_tokens: int, eos_id: int) -> Rendered | None:

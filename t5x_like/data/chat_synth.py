@@ -1,4 +1,5 @@
-"""Generated instruction tasks (word reversal, in-context key lookup) as chat JSON lines, for fine-tuning demos and tests."""
+"""Generated instruction tasks (word reversal, first word, in-context key lookup) as chat JSON lines, for fine-tuning
+demos and tests."""
 
 from __future__ import annotations
 
@@ -11,13 +12,19 @@ WORDS = ("self", "return", "value", "name", "path", "data", "file", "list", "dic
          "item", "node", "args", "type", "size", "mode", "time", "code", "class", "error", "index", "count",
          "state", "result", "module", "object", "string", "number", "buffer", "config")
 KEYS = tuple("abcdefghijklmnopqrstuvwxyz")
-TASKS = ("reverse", "lookup")
+TASKS = ("reverse", "first", "lookup")
 
 
 def reverse_example(rng: random.Random, min_words: int = 2, max_words: int = 4) -> dict:
   """{"prompt": "reverse: a b c", "completion": "c b a"} over distinct WORDS."""
   words = rng.sample(WORDS, rng.randint(min_words, max_words))
   return {"prompt": "reverse: " + " ".join(words), "completion": " ".join(reversed(words))}
+
+
+def first_example(rng: random.Random, min_words: int = 3, max_words: int = 5) -> dict:
+  """{"prompt": "first word: a b c", "completion": "a"} over distinct WORDS: a one-word answer read from the prompt."""
+  words = rng.sample(WORDS, rng.randint(min_words, max_words))
+  return {"prompt": "first word: " + " ".join(words), "completion": words[0]}
 
 
 def lookup_example(rng: random.Random, table_size: int = 4) -> dict:
@@ -35,7 +42,7 @@ def lookup_example(rng: random.Random, table_size: int = 4) -> dict:
 
 
 def make_examples(task: str, count: int, seed: int = 0, exclude: frozenset = frozenset(), **kwargs) -> list[dict]:
-  """`count` distinct examples of `task` ("reverse" or "lookup"), deterministic in `seed`.
+  """`count` distinct examples of `task` (one of TASKS), deterministic in `seed`.
 
   Args:
     exclude: JSON strings (as `json.dumps(example, sort_keys=True)`) never to produce (a train set).
@@ -43,7 +50,7 @@ def make_examples(task: str, count: int, seed: int = 0, exclude: frozenset = fro
   """
   if task not in TASKS:
     raise ValueError(f"chat_synth task must be one of {TASKS}, got '{task}'")
-  make = reverse_example if task == "reverse" else lookup_example
+  make = {"reverse": reverse_example, "first": first_example, "lookup": lookup_example}[task]
   rng, seen, out = random.Random(f"{task}-{seed}"), set(exclude), []
   for _ in range(100 * count + 1000):
     if len(out) == count:

@@ -179,3 +179,7 @@ class HFTokenizer(tokenizer_formats.TokenizerBase):
   def token_to_id(self, piece: str) -> int | None:
     """The id of `piece`, or None when the vocabulary lacks it."""
     return self._tok.token_to_id(piece)
+
+  def special_pieces(self) -> dict[str, int]:
+    """{text: id} of the added tokens (special or not): tokens the model's text never merges into others."""
+    return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}

@@ -138,6 +138,13 @@ class Tokenizer(tokenizer_formats.TokenizerBase):
     i = self._sp.piece_to_id(piece)
     return i if self._sp.id_to_piece(i) == piece else None
 
+  def special_pieces(self) -> dict[str, int]:
+    """{text: id} of the control and user-defined pieces (the chat markers, BOS/EOS): tokens never merged with
+    the text around them."""
+    kinds = (tokenizer_formats.CONTROL, tokenizer_formats.USER_DEFINED)
+    return {piece: i for i, (piece, _, kind) in enumerate(tokenizer_formats.read_sentencepiece(self._data).pieces)
+            if kind in kinds}
+
   def save_hf(self, output_dir: str) -> None:
     """Writes tokenizer.json + tokenizer_config.json that `transformers.AutoTokenizer` loads with
     the same ids on any text (see `tokenizer_formats.sentencepiece_to_tokenizers` for the models

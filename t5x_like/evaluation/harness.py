@@ -62,9 +62,7 @@ class T5xLikeLM(TemplateLM):
     self.scorer = scoring.Scorer(run.model_config, run.params, run.mesh, run.rules, batch_size=int(batch_size))
     self.engine = engine_lib.Engine(run.model_config, run.params, run.mesh, run.rules, slots=int(slots),
                                     detokenize=self.tok.decode)
-    markers = run.template.markers()
-    ids = {name: chat.token_id(self.tok, piece) for name, piece in markers.items()}
-    self.marker_ids = {markers[name]: i for name, i in ids.items() if i is not None}  # marker text → id
+    self.marker_ids = chat.marker_pieces(self.tok, run.template)  # the text of the markers' leading tokens → id
     self._marker_re = (re.compile("(" + "|".join(re.escape(m) for m in sorted(self.marker_ids, key=len,
                                                                                   reverse=True)) + ")")
                        if self.marker_ids else None)

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.interop import hf_config
+from t5x_like.interop import chat_templates
 from t5x_like.interop import hf_weights
 from t5x_like.interop import safetensors_io
 from t5x_like.model import decoder
@@ -77,6 +78,11 @@ def import_hf(hf_dir: str, output_dir: str) -> decoder.GPTConfig:
       _write_text(os.path.join(tmp, MODEL_GIN), gin_text)
       _write_text(os.path.join(tmp, HF_CONFIG_COPY), json.dumps(hf, indent=2) + "\n")
       _copy_carried(hf_dir, tmp)
+      gin_template, report = chat_templates.convert_folder(hf_dir, find_tokenizer(hf_dir))
+      if gin_template is not None:
+        _write_text(os.path.join(tmp, chat_templates.GIN_FILE), gin_template)
+      refused = gin_template is None and chat_templates.read_template(hf_dir) is not None
+      (logging.warning if refused else logging.info)("%s", report)
   return config
 
 

@@ -99,8 +99,7 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     if not self.lora.marker_rows or template is None:
       return ()
     tokenizer = self.load_tokenizer()
-    ids = {chat.token_id(tokenizer, piece) for piece in chat.ChatTemplate(**template).markers().values()}
-    return tuple(sorted(i for i in ids if i is not None))
+    return tuple(sorted(set(chat.marker_pieces(tokenizer, chat.ChatTemplate(**template)).values())))
 
   @property
   def state_holds_model_params(self) -> bool:
