@@ -2,6 +2,7 @@
 
     python -m t5x_like.plan --gin_file=configs/models/gpt2_small.gin --vocab_size=50304 \\
         --hardware=h100 --num_devices=8 --global_batch=512 --tokens=10e9
+    (a LoRA / QLoRA run: add --gin.lora.LoraConfig.rank=8 [--gin.lora.LoraConfig.base_precision="'nf4'"])
 
 The model of step time and memory is in t5x_like/planning/planner.py and docs/plan.md.
 """
@@ -16,6 +17,7 @@ from t5x_like import cli
 from t5x_like.model import decoder as model_lib
 from t5x_like.observe import hardware as hardware_lib
 from t5x_like.planning import planner
+from t5x_like.posttrain import lora as lora_lib
 from t5x_like.planning.planner import Target
 
 
@@ -70,7 +72,8 @@ def _target_from_flags(cfg: model_lib.GPTConfig) -> Target:
   return Target(hardware=hw, num_devices=f.num_devices, global_batch=int(batch), seq_len=int(seq_len),
                 tokens=float(tokens), devices_per_host=per_host, efficiency=f.efficiency,
                 comm_efficiency=f.comm_efficiency, memory_fraction=f.memory_fraction,
-                causal_halved=f.causal_halved, max_sequence=max(1, f.max_sequence))
+                causal_halved=f.causal_halved, max_sequence=max(1, f.max_sequence),
+                lora=cli.configured(lora_lib.LoraConfig, "lora"))
 
 
 def _model_from_gin() -> model_lib.GPTConfig:

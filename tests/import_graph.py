@@ -27,7 +27,7 @@ ALLOWED = {
     "posttrain": {"inference", "training", "observe", "model", "data", "parallel"},
     "recipes": {"posttrain", "inference", "training", "observe", "model", "data", "parallel"},
     "evaluation": {"cli", "recipes", "posttrain", "inference", "training", "observe", "model", "data", "parallel"},
-    "planning": {"training", "observe", "model", "parallel"},
+    "planning": {"posttrain", "training", "observe", "model", "parallel"},  # posttrain: LoRA / QLoRA memory
     "interop": {"posttrain", "training", "model", "data", "parallel"},
     "cli": {"recipes", "posttrain", "inference", "training", "model", "observe", "data", "parallel"},
     # many runs: sweeps launch the train entry point as subprocesses and validate gin through cli

@@ -18,6 +18,7 @@ from tests.test_llama import _model_config
 
 from t5x_like.model import decoder as model_lib
 from t5x_like.parallel import global_batch
+from t5x_like.planning import memory_model
 from t5x_like.posttrain import lora
 from t5x_like.posttrain import quantize
 from t5x_like.recipes import experiment as experiment_lib
@@ -78,6 +79,25 @@ def test_qlora_stores_the_base_quantised_and_its_first_step_is_the_quantised_bas
     full, full_weight, _ = jax.jit(exp.model_objective.loss)(base_params, batch, {})
   assert float(metrics["loss"]) == float(loss / weight)
   assert float(loss / weight) != float(full / full_weight)  # the quantised base is not the float one
+
+
+@pytest.mark.parametrize("precision", ["nf4", "bfloat16"])
+def test_the_planner_counts_a_lora_runs_bytes_as_the_start_up_report_does(precision, corpus, base, tmp_path):
+  """memory_model.lora_bytes_per_device (python -m t5x_like.plan with --gin.lora.LoraConfig.*) on
+  data2×fsdp2×tensor2: the stored frozen base, the adapters and their optimizer state per device equal the
+  start-up report of the run itself, byte for byte; the estimate's parameters and optimizer state are those."""
+  config = dataclasses.replace(LORA, base_precision=precision)
+  run = run_config(tmp_path, corpus, base=base[0], lora_config=config, mesh_shape={"data": 2, "fsdp": 2, "tensor": 2})
+  exp = experiment_lib.Experiment(run, TINY, OPT)
+  report, cfg = exp.startup_report(), exp.model_config
+  layout = memory_model.Layout(data=2, fsdp=2, tensor=2)
+  planned = memory_model.lora_bytes_per_device(cfg, layout, config)
+  assert (planned.base, planned.adapters, planned.optimizer) == (
+      report["memory/frozen_base_bytes_per_device"], report["memory/params_bytes_per_device"],
+      report["memory/opt_state_bytes_per_device"])
+  estimate = memory_model.estimate(cfg, layout, 8, 16, lora=config)
+  assert (estimate.params, estimate.optimizer) == (planned.base + planned.adapters, planned.optimizer)
+  assert estimate.optimizer < memory_model.estimate(cfg, layout, 8, 16).optimizer / 4  # full training's
 
 
 def test_llama3_8b_base_in_nf4_is_about_a_third_of_bfloat16():

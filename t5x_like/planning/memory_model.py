@@ -24,6 +24,8 @@ from t5x_like.model import layers
 from t5x_like.model import moe
 from t5x_like.parallel import partitioning
 from t5x_like.parallel import offload
+from t5x_like.posttrain import lora as lora_lib
+from t5x_like.posttrain import quantize
 from t5x_like.training import optimizer
 from t5x_like.training import precision
 from t5x_like.training import step as train_step
@@ -187,6 +189,35 @@ def optimizer_bytes_per_device(cfg: model_lib.GPTConfig, layout: Layout,
                                                      optimizer_config or optimizer.OptimizerConfig()), layout, rules)
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraBytes:
+  """Per-device bytes of a LoRA / QLoRA run's state, laid out as the trainer lays it out."""
+  base: float  # the frozen base as stored: quantised kernels (codes + scales) and bfloat16 rest, or float32 / bfloat16
+  adapters: float  # the float32 adapters (they train)
+  optimizer: float  # the adapters' optimizer state
+
+
+def lora_bytes_per_device(cfg: model_lib.GPTConfig, layout: Layout, config: lora_lib.LoraConfig,
+                          optimizer_config: Optional[optimizer.OptimizerConfig] = None,
+                          rules=partitioning.DEFAULT_RULES) -> LoraBytes:
+  """The frozen base (`quantize.boxed_stored` at config.base_precision), the adapters on config.targets and their
+  optimizer state, per device (without the template's marker rows, which depend on the data: 4 × d_model
+  elements per table)."""
+  return _lora_bytes(model_lib.shape_only(cfg), layout, config, optimizer_config or optimizer.OptimizerConfig(),
+                     tuple(rules))
+
+
+@functools.lru_cache(maxsize=32)
+def _lora_bytes(cfg, layout, config, optimizer_config, rules) -> LoraBytes:
+  boxed = _boxed_params(cfg)
+  adapters = jax.eval_shape(lambda: lora_lib.init_run_adapters(jax.random.key(0), boxed, config))
+  tx = optimizer.make_optimizer(optimizer_config, 1000)
+  opt_state = jax.eval_shape(lambda: train_state.replicate_reshaped(tx.init(adapters)))
+  return LoraBytes(base=_bytes_per_device(quantize.boxed_stored(boxed, config.base_precision), layout, rules),
+                   adapters=_bytes_per_device(adapters, layout, rules),
+                   optimizer=_bytes_per_device(opt_state, layout, rules))
+
+
 @functools.lru_cache(maxsize=32)
 def _abstract_optimizer_state(cfg: model_lib.GPTConfig, optimizer_config: optimizer.OptimizerConfig):
   tx = optimizer.make_optimizer(optimizer_config, 1000)
@@ -269,7 +300,8 @@ def residual_profile(cfg: model_lib.GPTConfig, seq_len: int) -> ResidualProfile:
 
 def estimate(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int, seq_len: int,
              rules=partitioning.DEFAULT_RULES,
-             optimizer_config: Optional[optimizer.OptimizerConfig] = None) -> MemoryEstimate:
+             optimizer_config: Optional[optimizer.OptimizerConfig] = None,
+             lora: Optional[lora_lib.LoraConfig] = None) -> MemoryEstimate:
   """Per-device memory of one training step (the peak, at the start of the backward pass).
 
   Args:
@@ -278,6 +310,9 @@ def estimate(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int, seq_le
     global_batch: sequences per optimizer step (BATCH_SIZE).
     seq_len: tokens per sequence (SEQ_LEN).
     optimizer_config: the optimizer whose state is counted (default AdamW).
+    lora: a LoRA run (rank > 0): parameters are the stored frozen base (QLoRA: quantised) plus the adapters, and
+      the optimizer state and gradients are the adapters' (`lora_bytes_per_device`); activations as for full
+      training (the gradient still flows through every layer).
   """
   cfg = dataclasses.replace(cfg, remat_policy=layout.remat_policy)
   p_dev = param_elements_per_device(cfg, layout, rules)
@@ -308,10 +343,14 @@ def estimate(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int, seq_le
     copies = REFERENCE_ATTENTION_WORKING if cfg.attention_impl == "reference" else ATTENTION_WORKING
     scores = copies * stage_rows * cfg.num_heads / t * score_elements(cfg, seq_len, s) * 4.0
     working += max(0.0, scores - loss_working)  # the loss's buffers and the scores are not live at once
-  grads = 4.0 * p_dev * (UPDATE_TEMPS + (ACCUMULATOR_TEMPS if layout.num_microbatches > 1 else 0.0))
   inputs = 5 * 4.0 * global_batch * seq_len / (batch_ways * s)
-  return MemoryEstimate(params=4.0 * p_dev, optimizer=optimizer_bytes_per_device(cfg, layout, optimizer_config, rules), grads=grads, activations=activations,
-                        working=working, inputs=inputs)
+  temps = UPDATE_TEMPS + (ACCUMULATOR_TEMPS if layout.num_microbatches > 1 else 0.0)
+  if lora is not None and lora.rank > 0:
+    part = lora_bytes_per_device(cfg, layout, lora, optimizer_config, rules)
+    return MemoryEstimate(params=part.base + part.adapters, optimizer=part.optimizer, grads=part.adapters * temps,
+                          activations=activations, working=working, inputs=inputs)
+  return MemoryEstimate(params=4.0 * p_dev, optimizer=optimizer_bytes_per_device(cfg, layout, optimizer_config, rules),
+                        grads=4.0 * p_dev * temps, activations=activations, working=working, inputs=inputs)
 
 
 def _per_layer(cfg: model_lib.GPTConfig, seq_len: int, tensor: int) -> float:

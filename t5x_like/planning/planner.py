@@ -35,6 +35,7 @@ from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.model import decoder as model_lib
 from t5x_like.model import moe
 from t5x_like.model import pipeline_parallel
+from t5x_like.posttrain import lora as lora_lib
 
 Layout = memory_model.Layout
 REMAT_SEARCH = ("none", "save_dots", "save_attention_out", "full")  # offload_dots: not modelled (host memory)
@@ -85,6 +86,7 @@ class Target:
   memory_fraction: float = 0.9  # usable share of device memory (allocator, fragmentation, runtime)
   max_sequence: int = 1  # largest `sequence` (context-parallel) axis searched; 1 = none
   causal_halved: bool = False  # MFU convention (flops.train_flops_per_token)
+  lora: Optional[lora_lib.LoraConfig] = None  # a LoRA / QLoRA run (rank > 0): its memory (memory_model.estimate)
 
   @property
   def host_size(self) -> int:
@@ -203,7 +205,7 @@ def evaluate(cfg: model_lib.GPTConfig, layout: Layout, target: Target) -> Candid
   reason = memory_model.layout_reason(cfg, layout, target.global_batch, seq_len=target.seq_len)
   if reason:
     return Candidate(layout, reason=reason)
-  memory = memory_model.estimate(cfg, layout, target.global_batch, target.seq_len)
+  memory = memory_model.estimate(cfg, layout, target.global_batch, target.seq_len, lora=target.lora)
   budget = target.hardware.hbm_bytes * target.memory_fraction
   time = step_time(cfg, layout, target)
   model_flops = flops.train_flops_per_token(cfg, target.seq_len, target.causal_halved)
@@ -281,6 +283,10 @@ def report(cfg: model_lib.GPTConfig, target: Target, top: int = 10, remat_polici
       + f" d_model={cfg.d_model} d_ff={cfg.d_ff} vocab={cfg.vocab_size}"
       + f" ({cfg.norm}, {cfg.mlp_activation}, {cfg.position_embedding} positions)",
   ]
+  if target.lora is not None and target.lora.rank > 0:
+    out.append(f"LoRA rank {target.lora.rank} on '{target.lora.targets}' over a frozen {target.lora.base_precision} "
+               "base: parameters = the stored base + float32 adapters; optimizer state and gradients the adapters' "
+               "(step time as for full training)")
   if cfg.num_experts:
     out.append(f"experts: {cfg.num_experts} per MoE layer (every {cfg.moe_every}), top-{cfg.moe_top_k}, d_ff "
                f"{cfg.expert_d_ff}, capacity factor {'dropless' if cfg.moe_dropless else cfg.moe_capacity_factor}; "
@@ -321,6 +327,8 @@ def report(cfg: model_lib.GPTConfig, target: Target, top: int = 10, remat_polici
 
 def compile_check(cfg: model_lib.GPTConfig, layout: Layout, target: Target) -> str:
   """XLA's per-device memory for `layout` next to the estimate (CPU mesh of layout.num_devices)."""
+  if target.lora is not None and target.lora.rank > 0:
+    return "--compile compiles full training only; the LoRA estimate above is not compared with XLA's"
   try:
     compiled = memory_model.compile_train_step(cfg, layout, target.global_batch, target.seq_len)
   except Exception as e:  # pylint: disable=broad-except
