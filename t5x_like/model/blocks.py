@@ -9,6 +9,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from t5x_like.model import layers
 from t5x_like.model import moe
+from t5x_like.model import splash
 from t5x_like.model.config import GPTConfig
 from t5x_like.parallel import axis_names as ax
 
@@ -57,17 +58,21 @@ class Attention(nn.Module):
       new_cache = (k, v)
     scores = dict(scale_dim=cfg.attention_scale_dim, softcap=cfg.attention_softcap)
     # jax.nn.dot_product_attention has no soft-capping: 'xla' then takes the einsum path (XLA's kernels too)
-    impl = "reference" if cfg.attention_impl == "xla" and cfg.attention_softcap else cfg.attention_impl
-    if impl == "reference" and cache is None:  # training and scoring: the mask is causal
+    impl = cfg.attention_kernel()
+    impl = "reference" if impl == "xla" and cfg.attention_softcap else impl
+    if splash.is_segments(mask):  # attention_masks gave document ids: the splash kernel (training and scoring)
+      out = splash.attention(q, k, v, mask, window=cfg.sliding_window, softcap=cfg.attention_softcap,
+                             scale=(cfg.attention_scale_dim or cfg.head_dim) ** -0.5)
+    elif impl in ("reference", "splash") and cache is None:  # training and scoring: the mask is causal
       # with local and global layers the window is the mask's alone: blocks skip only what every layer skips
       window = 0 if cfg.sliding_window_pattern else cfg.sliding_window
       out = layers.causal_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, window=window, **scores)
-    elif impl == "reference":
+    elif impl in ("reference", "splash"):  # decoding through the KV cache
       out = layers.reference_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, **scores)
     else:  # attention_softcap is refused with cudnn (GPTConfig.validate)
       scale = cfg.attention_scale_dim ** -0.5 if cfg.attention_scale_dim else None
       out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask, scale=scale,
-                                         implementation=None if cfg.attention_impl == "xla" else "cudnn")
+                                         implementation=None if impl == "xla" else "cudnn")
     out = layers.constrain(out, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.KV))
     out = dense((h, dh), (d,), (ax.HEADS, ax.KV, ax.EMBED), (ax.NORM,), name="out")(out)
     return out, new_cache
@@ -82,9 +87,12 @@ def rope_inverse_frequencies(cfg: GPTConfig, local: bool = False):
                                  cfg.rope_high_freq_factor, cfg.rope_original_max_len, cfg.rope_scaling)
 
 
-def attention_masks(cfg: GPTConfig, causal_mask):
+def attention_masks(cfg: GPTConfig, causal_mask, segment_ids=None):
   """`causal_mask(window)` → the mask(s) the blocks take: one for a model whose layers attend alike, or (global,
-  local) under sliding_window_pattern, of which each layer picks its own (layer_mask)."""
+  local) under sliding_window_pattern, of which each layer picks its own (layer_mask). Under the splash kernel
+  (training and scoring: `segment_ids` (B, T) given) the document ids themselves: the kernel builds no mask."""
+  if segment_ids is not None and cfg.attention_kernel() == "splash":
+    return segment_ids
   if cfg.layer_is_local(0) is None:
     return causal_mask(cfg.sliding_window)
   return causal_mask(0), causal_mask(cfg.sliding_window)

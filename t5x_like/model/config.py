@@ -10,7 +10,7 @@ from t5x_like.parallel import axis_names as ax
 from t5x_like.parallel import layout
 
 REMAT_POLICIES = ("none", "full", "save_dots", "save_attention_out", "offload_dots")
-ATTENTION_IMPLS = ("reference", "xla", "cudnn")
+ATTENTION_IMPLS = ("reference", "xla", "cudnn", "splash", "auto")
 NORMS = ("layernorm", "rmsnorm", "rmsnorm_plus_one")
 MLP_ACTIVATIONS = ("gelu", "swiglu", "geglu")
 ROPE_SCALINGS = ("llama3", "linear")
@@ -37,7 +37,10 @@ class GPTConfig:
   # per-layer dynamic slices of the stacked parameters and updates of their gradients cost ~12% of a gpt_25m float32
   # step); else 1.
   scan_unroll: int = 0
-  attention_impl: str = "reference"  # reference (einsum) | xla / cudnn (jax.nn.dot_product_attention)
+  # reference (einsum, causal blocks) | xla / cudnn (jax.nn.dot_product_attention) | splash (JAX's Pallas splash
+  # attention kernel: TPU; interpret mode on CPU, for checking numerics) | auto (attention_kernel(): cudnn on GPU,
+  # splash on TPU, xla elsewhere and where the chosen kernel lacks a feature the model uses)
+  attention_impl: str = "reference"
   num_stages: int = 1  # pipeline stages the layer stack is split into (set from the mesh)
   pipeline_microbatches: int = 0  # microbatches streamed through the pipeline; 0 = 2 × num_stages
   # Virtual stages per pipeline device (interleaved/circular schedule): each device runs this many non-adjacent
@@ -157,6 +160,13 @@ class GPTConfig:
     if self.attention_impl == "cudnn" and jax.default_backend() != "gpu":
       raise ValueError(f"GPTConfig.attention_impl='cudnn' needs an NVIDIA GPU (backend is "
                        f"{jax.default_backend()}); use 'xla' (same jax.nn.dot_product_attention, XLA kernels)")
+    if self.attention_impl == "splash":
+      why = self._splash_lacks()
+      if why:
+        raise ValueError(f"GPTConfig.attention_impl='splash' does not support {why}; use 'reference' or 'auto'")
+      if jax.default_backend() == "gpu":
+        raise ValueError("GPTConfig.attention_impl='splash' is a TPU kernel (Pallas/Mosaic); on a GPU use 'cudnn' "
+                         "or 'auto'")
     if self.dtype not in DTYPES:
       raise ValueError(f"GPTConfig.dtype={self.dtype!r}: expected one of {tuple(DTYPES)}")
     if self.remat_policy == "offload_dots" and not _has_host_offload():
@@ -211,6 +221,25 @@ class GPTConfig:
     if self.attention_softcap and self.attention_impl == "cudnn":
       raise ValueError(f"GPTConfig.attention_softcap={self.attention_softcap} is not supported by attention_impl="
                        f"'cudnn' (cuDNN's flash attention has no logit soft-capping); use 'xla' or 'reference'")
+
+  def _splash_lacks(self) -> str:
+    """What the model uses that attention_impl='splash' cannot do here ("" for nothing)."""
+    if self.sliding_window_pattern:
+      return (f"sliding_window_pattern={self.sliding_window_pattern} (local and global layers in one layer scan "
+              "need two kernels)")
+    return ""
+
+  def attention_kernel(self) -> str:
+    """The attention implementation the model runs: attention_impl, with 'auto' resolved for the backend (cudnn
+    on GPU unless soft-capping, splash on TPU unless _splash_lacks, else xla)."""
+    if self.attention_impl != "auto":
+      return self.attention_impl
+    backend = jax.default_backend()
+    if backend == "gpu" and not self.attention_softcap:
+      return "cudnn"
+    if backend == "tpu" and not self._splash_lacks():
+      return "splash"
+    return "xla"
 
   def layer_is_local(self, layer):
     """Whether layer `layer` (an int or a traced scalar) slides under sliding_window_pattern (a bool of its kind);

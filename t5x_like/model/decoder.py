@@ -76,7 +76,7 @@ class GPT(nn.Module):
       x, moe_stats = pipeline_parallel.run_pipeline_blocks(cfg, blocks, x, segment_ids, positions)
     else:
       rng = self.make_rng(DROPOUT_RNG) if self.has_rng(DROPOUT_RNG) else None
-      mask = attention_masks(cfg, functools.partial(layers.causal_segment_mask, segment_ids))
+      mask = attention_masks(cfg, functools.partial(layers.causal_segment_mask, segment_ids), segment_ids)
       x, moe_stats = run_blocks(cfg, blocks, x, mask, positions, rng=rng)
     if moe_stats is not None and not self.is_initializing():  # kept when "intermediates" is mutable
       self.sow("intermediates", MOE_STATS, moe_stats)

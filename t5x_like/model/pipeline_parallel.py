@@ -127,7 +127,7 @@ def run_pipeline_blocks(config: GPTConfig, stacked_params, x, segment_ids, posit
   def run_stage(stage_weights, stage, repeat, h, seg, stage_pos, stats):  # one stage: one chunk on one microbatch
     if v > 1:  # this iteration's chunk; named so the checkpoint below recomputes the slice instead of saving it
       stage_weights = jax.tree.map(lambda w: checkpoint_name(w[repeat], _CHUNK), stage_weights)
-    mask = blocks_lib.attention_masks(config, functools.partial(layers.causal_segment_mask, seg))
+    mask = blocks_lib.attention_masks(config, functools.partial(layers.causal_segment_mask, seg), seg)
     return blocks_lib.run_blocks(config, stage_weights, h, mask, stage_pos, stats,
                                  first_unit=(repeat * p + stage) * chunk)
 

@@ -56,8 +56,12 @@ def score_elements(cfg, seq_len: int, sequence: int) -> float:
   """Attention scores one (sequence, head) holds per device for a layer: (T/s) × T with the length split, else
   what layers.causal_attention computes by blocks of query rows, each against the keys up to its last row (with a
   sliding window W, from W − 1 keys before its first row; under sliding_window_pattern the global layers hold the
-  most, and blocks skip only what every layer skips)."""
-  if sequence > 1 or cfg.attention_impl != "reference":
+  most, and blocks skip only what every layer skips). The flash kernels ('splash', 'cudnn') hold one tile of
+  scores at a time: taken as 512 × 512 (splash's largest tile)."""
+  impl = cfg.attention_kernel()
+  if impl in ("splash", "cudnn"):
+    return min(seq_len / sequence, 512) * min(seq_len, 512)
+  if sequence > 1 or impl != "reference":
     return seq_len / sequence * seq_len
   window = 0 if cfg.sliding_window_pattern else cfg.sliding_window
   first = lambda start: max(0, start - window + 1) if window else 0
@@ -340,7 +344,7 @@ def estimate(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int, seq_le
   if cfg.remat_policy != "none":  # one layer's forward is rebuilt during its backward
     stage_rows = rows / layout.stage_microbatches  # a pipeline stage recomputes one pipeline microbatch
     working += REMAT_WORKING * stage_rows * _per_layer(dataclasses.replace(cfg, remat_policy="none"), seq_len, t) / s
-    copies = REFERENCE_ATTENTION_WORKING if cfg.attention_impl == "reference" else ATTENTION_WORKING
+    copies = REFERENCE_ATTENTION_WORKING if cfg.attention_kernel() == "reference" else ATTENTION_WORKING
     scores = copies * stage_rows * cfg.num_heads / t * score_elements(cfg, seq_len, s) * 4.0
     working += max(0.0, scores - loss_working)  # the loss's buffers and the scores are not live at once
   inputs = 5 * 4.0 * global_batch * seq_len / (batch_ways * s)
