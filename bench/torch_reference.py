@@ -108,8 +108,9 @@ class TorchProcess:
 
   def __init__(self, args, name: str, same_allocator: bool):
     env = dict(os.environ)
-    if not same_allocator:
+    if not same_allocator:  # glibc's malloc as a new user's script has it: nothing preloaded, nothing set
       env[host_allocator.ENV] = "default"
+      env.pop("LD_PRELOAD", None)
     cmd = [sys.executable, os.path.abspath(__file__), "--torch_worker", f"--models={name}", f"--vocab={args.vocab}",
            f"--batch={args.batch}", f"--seq={args.seq}", f"--threads={args.threads}", f"--warmup={args.warmup}"]
     self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)

@@ -1,11 +1,16 @@
-"""parallel/host_allocator.py: with glibc set to keep freed memory, a repeated XLA:CPU program takes no page faults."""
+"""parallel/host_allocator.py and t5x_like/jemalloc.py: with glibc set to keep freed memory, a repeated XLA:CPU program
+takes no page faults; entry points run on jemalloc where it is installed."""
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests import conftest
+from t5x_like import jemalloc
 from t5x_like.parallel import host_allocator
 
 # As cli.run does it: jax imported, its backend not started yet. Then a program whose 64 MiB output is allocated
@@ -56,3 +61,27 @@ def test_glibc_defaults_fault_every_call_in_again():  # what the settings save; 
   took, faults = _faults("default")
   assert not took
   assert min(faults) >= CALLS * PAGES_PER_CALL, faults  # glibc maps and unmaps the 64 MiB block on every call
+
+
+def _entry_point_allocator(**env_vars) -> subprocess.CompletedProcess:
+  """`python -m t5x_like.parallel.host_allocator` (an entry point's start: t5x_like/__init__.py restarts it with
+  jemalloc where installed): its report of the allocator that serves it."""
+  env = {k: v for k, v in os.environ.items() if k not in (host_allocator.ENV, "MALLOC_CONF", "LD_PRELOAD")}
+  return subprocess.run([sys.executable, "-m", "t5x_like.parallel.host_allocator"], capture_output=True, text=True,
+                        env={**env, **env_vars}, timeout=120)
+
+
+def test_entry_points_run_on_jemalloc_where_it_is_installed():
+  """Under `python -m t5x_like.<entry point>` the process restarts once with jemalloc preloaded and MALLOC_CONF =
+  JEMALLOC_CONF (a MALLOC_CONF the user set is kept); T5X_LIKE_HOST_ALLOCATOR=glibc keeps glibc. (.ci/run installs
+  Debian's libjemalloc2; where it is missing, asking for jemalloc is a one-line error naming the package.)"""
+  if jemalloc.jemalloc_library() is None:
+    out = _entry_point_allocator(**{host_allocator.ENV: "jemalloc"})
+    assert out.returncode != 0 and "libjemalloc2" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    pytest.skip("libjemalloc2 is not installed (bash .ci/run installs it)")
+  report = json.loads(_entry_point_allocator().stdout)
+  assert report == {"jemalloc": True, "malloc_conf": jemalloc.JEMALLOC_CONF, "mode": ""}
+  report = json.loads(_entry_point_allocator(MALLOC_CONF="narenas:2").stdout)
+  assert report["jemalloc"] and report["malloc_conf"] == "narenas:2"
+  report = json.loads(_entry_point_allocator(**{host_allocator.ENV: "glibc"}).stdout)
+  assert not report["jemalloc"]
