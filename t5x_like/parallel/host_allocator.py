@@ -3,8 +3,8 @@
 jemalloc (Debian's libjemalloc2) must be loaded before the process starts: `preload_jemalloc`, called by
 `t5x_like/__init__.py` first thing when Python runs a `-m t5x_like.<entry point>`, restarts the process (the same
 interpreter and command line) with it in LD_PRELOAD and MALLOC_CONF = JEMALLOC_CONF: one arena, freed pages kept
-for the next step. Measured on gpt_25m (bench/torch_reference.py, docs/performance.md) it keeps glibc-with-settings'
-speed at about half its resident memory. Without jemalloc the glibc settings below apply.
+for the next step. Measured on gpt_25m (bench/torch_reference.py, docs/performance.md): a speed like the glibc
+settings' at about half their resident memory. Without jemalloc the glibc settings below apply.
 
 XLA:CPU allocates every step's temporary and output buffers with malloc and frees them when the step ends. glibc
 serves blocks over 32 MiB (the mmap threshold's ceiling) with a fresh mmap and returns them with munmap, and threads
