@@ -159,14 +159,13 @@ def test_lora_checkpoint_restores_base_plus_adapters_and_merges_to_a_plain_check
 
 
 def test_lora_trainable_fraction_on_gpt2_small_is_below_one_percent():
-  import gin  # pylint: disable=g-import-not-at-top
-  gin.clear_config()  # a test before may have left a run's config parsed and locked (evaluation.runs.open_run does)
   cli.parse_gin(["configs/models/gpt2_small.gin", "configs/runs/finetune.gin"],
                 ["MODEL_DIR='/tmp/x'", "DATA_DIR='/tmp/d'", "lora.LoraConfig.rank=8",
                  "model.GPTConfig.vocab_size=50304"])
   try:
     config, model_config = cli.train_config(), cli.configured(model_lib.GPTConfig, "model")
   finally:
+    import gin  # pylint: disable=g-import-not-at-top
     gin.clear_config()
   boxed = jax.eval_shape(lambda: model_lib.GPT(model_config).init(jax.random.key(0), np.zeros((1, 1), np.int32)))
   total = lora.count(partitioning.unbox(boxed["params"]))

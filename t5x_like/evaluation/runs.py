@@ -40,11 +40,15 @@ def run_gin_files(model_dir: str) -> list:
 
 def open_run(model_dir: str, *, step: Optional[int] = None, gin_files: Sequence[str] = (),
              bindings: Sequence[str] = (), tokenizer: Optional[str] = None) -> Run:
-  """Restores MODEL_DIR's checkpoint (newest, or `step`) onto all devices with its own config and tokenizer."""
+  """Restores MODEL_DIR's checkpoint (newest, or `step`) onto all devices with its own config and tokenizer. The
+  run's gin config is parsed for this and cleared again after: it leaves no parsed (locked) config behind."""
   gin.clear_config()
   cli.parse_gin(list(gin_files) or run_gin_files(model_dir), list(bindings))
-  config = dataclasses.replace(cli.train_config(), model_dir=model_dir)
-  return run_from_config(config, cli.configured(model_lib.GPTConfig, "model"), step=step, tokenizer=tokenizer)
+  try:
+    config = dataclasses.replace(cli.train_config(), model_dir=model_dir)
+    return run_from_config(config, cli.configured(model_lib.GPTConfig, "model"), step=step, tokenizer=tokenizer)
+  finally:
+    gin.clear_config()
 
 
 def run_from_config(config, model_config: model_lib.GPTConfig, *, step: Optional[int] = None,
