@@ -61,12 +61,12 @@ def hf_tokenizer_json(tmp_path_factory):
   return path
 
 
-def family_folder(root, tokenizer_json: str, source: str, bos, eos) -> str:
-  """A HF tokenizer folder: tokenizer.json and a tokenizer_config.json with the chat template."""
+def family_folder(root, tokenizer_json: str, source: str, bos, eos, **settings) -> str:
+  """A HF tokenizer folder: tokenizer.json and a tokenizer_config.json with the chat template (and `settings`)."""
   os.makedirs(root, exist_ok=True)
   with open(tokenizer_json, encoding="utf-8") as f, open(os.path.join(root, "tokenizer.json"), "w") as g:
     g.write(f.read())
-  config = {"eos_token": eos, "chat_template": source, **({"bos_token": bos} if bos else {})}
+  config = {"eos_token": eos, "chat_template": source, **({"bos_token": bos} if bos else {}), **settings}
   with open(os.path.join(root, "tokenizer_config.json"), "w", encoding="utf-8") as f:
     json.dump(config, f)
   return str(root)
@@ -119,10 +119,12 @@ def test_templates_a_chat_template_cannot_express_are_refused_in_one_line(source
 
 
 def test_marker_tokens_split_at_special_pieces_and_refuse_plain_text(hf_tokenizer_json, tmp_path):
-  """A multi-token marker starts with a special piece; each special piece in it is its own id; text that merely
-  starts with an ordinary token ('<' of '<|user|>' here) is not a marker."""
-  folder = family_folder(tmp_path / "f", hf_tokenizer_json, CHATML, None, "<|im_end|>")
+  """A multi-token marker starts with a special piece; each special piece in it is its own id, also where encoding
+  text would split it (split_special_tokens, as here); text that merely starts with an ordinary token ('<' of
+  '<|user|>' here) is not a marker."""
+  folder = family_folder(tmp_path / "f", hf_tokenizer_json, CHATML, None, "<|im_end|>", split_special_tokens=True)
   tok = tokenizer_lib.load(folder)
+  assert len(tok.encode("<|end_header_id|>")) > 1  # text never reads a special token here
   special = tok.special_pieces()
   ids = chat.marker_tokens(tok, "<|start_header_id|>user<|end_header_id|>\n\n")
   assert ids[0] == special["<|start_header_id|>"] and special["<|end_header_id|>"] in ids
