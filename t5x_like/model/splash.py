@@ -56,4 +56,4 @@ def attention(q, k, v, segment_ids, *, window: int = 0, scale: float, softcap: f
 
 def is_segments(mask) -> bool:
   """Whether the blocks' `mask` argument is (B, T) document ids (attention_masks under 'splash'), not a mask."""
-  return isinstance(mask, jax.Array | jnp.ndarray) and mask.ndim == 2
+  return isinstance(mask, jax.Array) and mask.ndim == 2  # tracers are jax.Arrays too
