@@ -113,8 +113,9 @@ def test_lora_learns_a_new_chat_format_from_a_base_pre_trained_on_plain_text(tmp
   """bench/finetune_task.py's 'first' task as a new user runs it: llama_tiny pre-trained on the standard library's
   source (no chat markers in it), then LoRA SFT with configs/runs/finetune.gin (rank 4, alpha 16, lr 3e-3, the
   template's marker rows on by default) on 4,000 generated one-word-answer conversations. Held out, greedy: the base
-  answers none, the LoRA run (1.99% of the parameters trainable) at least 90% (1.00 in the bench; docs/finetune.md
-  has the runs that fall short: rank 8 at lr 1e-2 0.04, without marker rows 0.83)."""
+  answers none, the LoRA run (1.99% of the parameters trainable) at least 90% (1.00 in the bench; at lr 1e-2 every
+  rank answered 0.04, docs/finetune.md). This checks LoRA learning the format, not the marker rows: at this rank and
+  length the bench answered 1.00 without them too; the two tests above check the rows themselves."""
   corpus, base, lora_dir = tmp_path / "pystdlib", tmp_path / "base", tmp_path / "lora"
   subprocess.run([sys.executable, "data/pystdlib/prepare.py", f"--output_dir={corpus}", "--max_mb=4"], cwd=ROOT,
                  check=True, capture_output=True)
