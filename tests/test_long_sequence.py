@@ -84,3 +84,30 @@ def test_the_planned_long_sequence_layout_compiles_within_the_budget_and_trains(
       state, metrics = compiled(state, batch, {})
       losses.append(float(metrics["loss"]))
   assert np.isfinite(losses).all() and losses[1] < losses[0] and abs(losses[0] - np.log(LONG.vocab_size)) < 0.5
+
+
+# Ring attention (context_parallelism='ring') holds one (T/s) × (T/s) block of scores at a time, not (T/s) × T:
+# 8 × 512 tokens (one device's 512, eight times over) fit on the 70 MiB device with sequence = 8, where the
+# all-gather needs more. Learned positions: max_len 4,096 for both. XLA:CPU's compiled memory analysis (4 Dec
+# 2026): ring 52.6 MiB (estimate 60.0), all-gather 114.4 (116.1).
+RING_LENGTH = 8 * SHORT
+GATHERED = dataclasses.replace(LONG, max_len=RING_LENGTH)
+RING = dataclasses.replace(GATHERED, context_parallelism="ring")
+
+
+@pytest.mark.slow  # two train-step compiles on 8 devices at 4,096 tokens; CI runs them
+def test_ring_attention_fits_a_sequence_eight_times_longer_than_one_device_holds():
+  layout = memory_model.Layout(sequence=8, remat_policy="full")
+  one_device = memory_model.Layout(remat_policy="full")
+  assert memory_model.estimate(GATHERED, one_device, 1, SHORT).total < BUDGET
+  assert memory_model.estimate(GATHERED, one_device, 1, 2 * SHORT).total > BUDGET
+  xla = {}
+  for name, cfg in (("ring", RING), ("all_gather", GATHERED)):
+    compiled = memory_model.compile_train_step(cfg, layout, 1, RING_LENGTH)
+    xla[name] = memory_model.xla_bytes_per_device(compiled.memory_analysis())
+    estimate = memory_model.estimate(cfg, layout, 1, RING_LENGTH).total
+    assert abs(estimate / xla[name] - 1) < 0.15, (name, estimate / 2**20, xla[name] / 2**20)
+    if name == "ring":  # the keys/values go round the ring: collective-permutes, no all-gather of them
+      hlo = compiled.as_text()
+      assert "collective-permute" in hlo
+  assert xla["ring"] < BUDGET < xla["all_gather"], {k: v / 2**20 for k, v in xla.items()}

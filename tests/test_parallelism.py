@@ -130,11 +130,14 @@ LAYOUTS = {
     # context parallelism: activations split along the sequence, keys/values all-gathered per layer
     "sequence2_data2_tensor2": dict(mesh_shape={"sequence": 2, "data": 2, "tensor": 2}),
     "sequence4_tensor2": dict(mesh_shape={"sequence": 4, "tensor": 2}),
+    # ring attention: key/value blocks pass around the sequence axis (model/ring.py)
+    "sequence4_data2_ring": dict(mesh_shape={"sequence": 4, "data": 2},
+                                 base=dataclasses.replace(CFG, context_parallelism="ring")),
 }
 
 
 # The fast subset keeps one layout per kind (pure data; data×fsdp×tensor; pipelines are slow-marked);
-# the full suite (CI) runs all eight.
+# the full suite (CI) runs all nine.
 FAST_LAYOUTS = ("data8", "data2_fsdp2_tensor2")
 
 
@@ -145,7 +148,7 @@ def test_layout_trains_like_one_device(layout, initial_state, reference):
 
 
 # Accumulation + full remat on two layouts that between them split over every axis (data, fsdp, tensor,
-# pipeline with 8 pipeline microbatches); the plain variant above covers all eight layouts.
+# pipeline with 8 pipeline microbatches); the plain variant above covers all nine layouts.
 ACCUMULATION_LAYOUTS = ("data2_fsdp2_tensor2", "pipeline2_fsdp2_tensor2_m8")
 
 

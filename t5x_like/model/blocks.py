@@ -9,6 +9,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from t5x_like.model import layers
 from t5x_like.model import moe
+from t5x_like.model import ring
 from t5x_like.model import splash
 from t5x_like.model.config import GPTConfig
 from t5x_like.parallel import axis_names as ax
@@ -48,9 +49,11 @@ class Attention(nn.Module):
       if local is not None:
         inv_freq = jnp.where(local, rope_inverse_frequencies(cfg, local=True), inv_freq)
       q, k = layers.apply_rope(q, positions, inv_freq), layers.apply_rope(k, positions, inv_freq)
-    # Every query reads the whole sequence's keys/values: with `length` split (context parallelism) an all-gather.
-    k = layers.constrain(k, (ax.BATCH, ax.KV_LENGTH, ax.ACT_KV_HEADS, ax.KV))
-    v = layers.constrain(v, (ax.BATCH, ax.KV_LENGTH, ax.ACT_KV_HEADS, ax.KV))
+    ring_axis = ring.ring_axis(cfg, q.shape[1]) if splash.is_segments(mask) else None
+    # Every query reads the whole sequence's keys/values: with `length` split (context parallelism) an all-gather,
+    # unless they go round the ring.
+    kv_names = (ax.BATCH, ax.LENGTH if ring_axis else ax.KV_LENGTH, ax.ACT_KV_HEADS, ax.KV)
+    k, v = layers.constrain(k, kv_names), layers.constrain(v, kv_names)
     new_cache = None
     if cache is not None:  # decoding: write this chunk's keys/values at cache_index, attend to all
       k = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), cache_index, axis=1)
@@ -60,9 +63,13 @@ class Attention(nn.Module):
     # jax.nn.dot_product_attention has no soft-capping: 'xla' then takes the einsum path (XLA's kernels too)
     impl = cfg.attention_kernel()
     impl = "reference" if impl == "xla" and cfg.attention_softcap else impl
-    if splash.is_segments(mask):  # attention_masks gave document ids: the splash kernel (training and scoring)
+    scale = (cfg.attention_scale_dim or cfg.head_dim) ** -0.5
+    if ring_axis:  # attention_masks gave document ids, the length is split: ring attention (training and scoring)
+      out = ring.attention(q, k, v, mask, axis=ring_axis, window=cfg.sliding_window, scale=scale,
+                           softcap=cfg.attention_softcap)
+    elif splash.is_segments(mask):  # attention_masks gave document ids: the splash kernel (training and scoring)
       out = splash.attention(q, k, v, mask, window=cfg.sliding_window, softcap=cfg.attention_softcap,
-                             scale=(cfg.attention_scale_dim or cfg.head_dim) ** -0.5)
+                             scale=scale)
     elif impl in ("reference", "splash") and cache is None:  # training and scoring: the mask is causal
       # with local and global layers the window is the mask's alone: blocks skip only what every layer skips
       window = 0 if cfg.sliding_window_pattern else cfg.sliding_window
@@ -90,8 +97,9 @@ def rope_inverse_frequencies(cfg: GPTConfig, local: bool = False):
 def attention_masks(cfg: GPTConfig, causal_mask, segment_ids=None):
   """`causal_mask(window)` → the mask(s) the blocks take: one for a model whose layers attend alike, or (global,
   local) under sliding_window_pattern, of which each layer picks its own (layer_mask). Under the splash kernel
-  (training and scoring: `segment_ids` (B, T) given) the document ids themselves: the kernel builds no mask."""
-  if segment_ids is not None and cfg.attention_kernel() == "splash":
+  (training and scoring: `segment_ids` (B, T) given), or under ring attention with the length split, the document
+  ids themselves: the kernel builds no mask."""
+  if segment_ids is not None and (cfg.attention_kernel() == "splash" or ring.ring_axis(cfg, segment_ids.shape[1])):
     return segment_ids
   if cfg.layer_is_local(0) is None:
     return causal_mask(cfg.sliding_window)
@@ -129,7 +137,8 @@ class Block(nn.Module):
     x = x + checkpoint_name(post("ln_post_attn")(attn), "attention_out")
     h = norm(name="ln_2")(x)
     if self.moe:  # a token no query row of the mask admits is padding: not routed
-      out, stats = moe.MoeMlp(cfg, name="moe")(h, jnp.any(mask, axis=(1, 3)), dropless=cache is not None)
+      valid = mask != 0 if splash.is_segments(mask) else jnp.any(mask, axis=(1, 3))
+      out, stats = moe.MoeMlp(cfg, name="moe")(h, valid, dropless=cache is not None)
       return layers.constrain(x + post("ln_post_mlp")(out), act_names), new_cache, stats
     mlp_in = functools.partial(dense, (cfg.d_model,), (cfg.d_ff,), (ax.EMBED, ax.MLP), (ax.MLP,))
     hidden = layers.mlp_hidden(cfg.mlp_activation, lambda name: mlp_in(name=name)(h))

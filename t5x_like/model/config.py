@@ -11,6 +11,7 @@ from t5x_like.parallel import layout
 
 REMAT_POLICIES = ("none", "full", "save_dots", "save_attention_out", "offload_dots")
 ATTENTION_IMPLS = ("reference", "xla", "cudnn", "splash", "auto")
+CONTEXT_PARALLELISMS = ("all_gather", "ring")
 NORMS = ("layernorm", "rmsnorm", "rmsnorm_plus_one")
 MLP_ACTIVATIONS = ("gelu", "swiglu", "geglu")
 ROPE_SCALINGS = ("llama3", "linear")
@@ -41,6 +42,11 @@ class GPTConfig:
   # attention kernel: TPU; interpret mode on CPU, for checking numerics) | auto (attention_kernel(): cudnn on GPU,
   # splash on TPU, xla elsewhere and where the chosen kernel lacks a feature the model uses)
   attention_impl: str = "reference"
+  # How attention reads the keys/values when activations' length is split over a mesh axis (context parallelism,
+  # mesh axis `sequence`): all_gather (each device gathers the whole sequence's keys/values and holds (T/s) × T
+  # scores) | ring (model/ring.py: key/value blocks pass around the ring, (T/s) × (T/s) scores per step; training
+  # and scoring, not pipeline stages or sliding_window_pattern). Without a split length both are plain attention.
+  context_parallelism: str = "all_gather"
   num_stages: int = 1  # pipeline stages the layer stack is split into (set from the mesh)
   pipeline_microbatches: int = 0  # microbatches streamed through the pipeline; 0 = 2 × num_stages
   # Virtual stages per pipeline device (interleaved/circular schedule): each device runs this many non-adjacent
@@ -156,6 +162,13 @@ class GPTConfig:
       raise ValueError(f"GPTConfig.remat_policy={self.remat_policy!r}: expected one of {REMAT_POLICIES}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"GPTConfig.attention_impl={self.attention_impl!r}: expected one of {ATTENTION_IMPLS}")
+    if self.context_parallelism not in CONTEXT_PARALLELISMS:
+      raise ValueError(f"GPTConfig.context_parallelism={self.context_parallelism!r}: expected one of "
+                       f"{CONTEXT_PARALLELISMS}")
+    if self.context_parallelism == "ring" and (self.num_stages > 1 or self.sliding_window_pattern):
+      why = (f"num_stages={self.num_stages} (pipeline stages)" if self.num_stages > 1 else
+             f"sliding_window_pattern={self.sliding_window_pattern} (local and global layers in one layer scan)")
+      raise ValueError(f"GPTConfig.context_parallelism='ring' does not support {why}; use 'all_gather'")
     self._validate_gemma_options()  # before the backend check: a cudnn refusal for soft-capping holds on any backend
     if self.attention_impl == "cudnn" and jax.default_backend() != "gpu":
       raise ValueError(f"GPTConfig.attention_impl='cudnn' needs an NVIDIA GPU (backend is "

@@ -17,11 +17,10 @@ default follows the same switch.
 import functools
 import os
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from t5x_like.parallel import axis_names as ax
+from t5x_like.model import ring
 
 ENV_VAR = "T5X_LIKE_CPU_KERNELS"  # auto (default: on for the CPU backend) | 1 (always on) | 0 (always off)
 REDUCE_WINDOW = 32  # XLA:CPU rewrites a reduction over any axis longer than this into reduce-window + reduce
@@ -43,13 +42,7 @@ def enabled() -> bool:
 
 def length_is_split() -> bool:
   """Whether the current logical-axis rules put activations' `length` on a mesh axis of more than one device."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return False
-  spec = nn.logical_to_mesh_axes((ax.LENGTH,))
-  axes = spec[0] if spec else None
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-  return any(mesh.shape.get(a, 1) > 1 for a in axes)
+  return bool(ring.split_length_axes())
 
 
 def windowed(x: jax.Array) -> tuple:

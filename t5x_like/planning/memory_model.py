@@ -50,6 +50,10 @@ ACCUMULATOR_TEMPS = 1.31  # extra float32 parameter-sized buffers when NUM_MICRO
 # jax.nn.dot_product_attention ('xla').
 ATTENTION_WORKING = 4.07
 REFERENCE_ATTENTION_WORKING = 3.11
+# ring attention (context_parallelism='ring'): (T/s)² blocks; fitted 4 Dec 2026 to XLA:CPU at T = 2,048..8,192, s = 2,
+# 4, 8, 2..8 heads, full remat (within 15%: 0.85..1.14; the backward's logits, probabilities and their gradients
+# plus the checkpointed forward rerun)
+RING_ATTENTION_WORKING = 4.5
 
 
 def score_elements(cfg, seq_len: int, sequence: int) -> float:
@@ -57,8 +61,11 @@ def score_elements(cfg, seq_len: int, sequence: int) -> float:
   what layers.causal_attention computes by blocks of query rows, each against the keys up to its last row (with a
   sliding window W, from W − 1 keys before its first row; under sliding_window_pattern the global layers hold the
   most, and blocks skip only what every layer skips). The flash kernels ('splash', 'cudnn') hold one tile of
-  scores at a time: taken as 512 × 512 (splash's largest tile)."""
+  scores at a time: taken as 512 × 512 (splash's largest tile); so does ring attention (context_parallelism='ring'),
+  one (T/s) × (T/s) block of its ring."""
   impl = cfg.attention_kernel()
+  if sequence > 1 and cfg.context_parallelism == "ring":  # one (T/s) × (T/s) block of the ring at a time
+    return (seq_len / sequence) ** 2
   if impl in ("splash", "cudnn"):
     return min(seq_len / sequence, 512) * min(seq_len, 512)
   if sequence > 1 or impl != "reference":
@@ -334,7 +341,8 @@ def estimate(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int, seq_le
     cfg = dataclasses.replace(cfg, remat_policy="full")
   prof = residual_profile(cfg, seq_len)
   per_layer = _per_layer(cfg, seq_len, t) / s
-  if s > 1 and cfg.remat_policy == "none":  # the backward keeps the gathered keys and values (B, T, K, Dh) whole
+  ring = s > 1 and cfg.context_parallelism == "ring"
+  if s > 1 and cfg.remat_policy == "none" and not ring:  # the backward keeps the gathered keys and values whole
     itemsize = jnp.dtype(cfg.compute_dtype).itemsize
     per_layer += 2 * itemsize * seq_len * cfg.kv_heads * cfg.head_dim / t * cfg.layers_per_unit * (1 - 1 / s)
   activations = ACTIVATION_OVERHEAD * rows * in_flight * layers * per_layer
@@ -344,7 +352,8 @@ def estimate(cfg: model_lib.GPTConfig, layout: Layout, global_batch: int, seq_le
   if cfg.remat_policy != "none":  # one layer's forward is rebuilt during its backward
     stage_rows = rows / layout.stage_microbatches  # a pipeline stage recomputes one pipeline microbatch
     working += REMAT_WORKING * stage_rows * _per_layer(dataclasses.replace(cfg, remat_policy="none"), seq_len, t) / s
-    copies = REFERENCE_ATTENTION_WORKING if cfg.attention_kernel() == "reference" else ATTENTION_WORKING
+    copies = (RING_ATTENTION_WORKING if ring else REFERENCE_ATTENTION_WORKING
+              if cfg.attention_kernel() == "reference" else ATTENTION_WORKING)
     scores = copies * stage_rows * cfg.num_heads / t * score_elements(cfg, seq_len, s) * 4.0
     working += max(0.0, scores - loss_working)  # the loss's buffers and the scores are not live at once
   inputs = 5 * 4.0 * global_batch * seq_len / (batch_ways * s)

@@ -12,8 +12,10 @@ Step time = compute / (peak × efficiency) + pipeline bubble + communication, wi
             v > 1 also the regrouping of each device's block weights into its v chunks (an all-to-all of
             (v − 1)/v of them, float32) and of their gradients, per accumulation microbatch;
   sequence  per layer and microbatch: all-gather of keys and values forward, reduce-scatter of their
-            gradients backward, again when remat recomputes the forward; plus the all-reduce of the float32
-            gradients over `sequence` (parameters are replicated over it);
+            gradients backward, again when remat recomputes the forward; with context_parallelism='ring' the
+            keys and values go round the ring forward and backward, their float32 gradients with them (the
+            same (s−1)/s volume per pass; counted, not taken as hidden behind the blocks' compute); plus the
+            all-reduce of the float32 gradients over `sequence` (parameters are replicated over it);
   expert    per MoE layer and microbatch: 2 all-to-alls of the dispatched bfloat16 tokens (top_k × capacity
             factor slots per token, d_model wide) forward, 2 backward, 2 more when the forward is recomputed,
             each moving (e−1)/e of a device's slots; plus the all-reduce of the non-expert gradients over
@@ -134,7 +136,7 @@ def step_time(cfg: model_lib.GPTConfig, layout: Layout, target: Target) -> StepT
   act_bytes = rows * target.seq_len / s * cfg.d_model * 2.0  # one (rows, T/s, d_model) bfloat16 activation
   sequence = 0.0
   if s > 1:
-    per_layer = 4 + (2 if layout.remat_policy != "none" else 0)
+    per_layer = (8 if cfg.context_parallelism == "ring" else 4) + (2 if layout.remat_policy != "none" else 0)
     kv_bytes = rows * target.seq_len * cfg.kv_heads * cfg.head_dim / t * 2.0  # gathered keys (or values)
     sequence = (k * per_layer * kv_bytes * ring(s) * cfg.num_layers / p / axis_bandwidth(layout, "sequence", target)
                 + 2 * 4.0 * (gathered / f) * ring(s) / axis_bandwidth(layout, "sequence", target))
