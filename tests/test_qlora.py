@@ -5,8 +5,10 @@ an nf4 base within 5% of bfloat16 LoRA's held-out loss. The tiny base and helper
 import dataclasses
 import json
 import os
+import sys
 
 import flax
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,6 +117,28 @@ def test_llama3_8b_base_in_nf4_is_about_a_third_of_bfloat16():
   assert stored["int8"] == projections + 4 * projections // 64 + 2 * others
   ratio = stored["nf4"] / stored["bfloat16"]
   assert 0.37 < ratio < 0.38, ratio  # 0.375: the untied 128,256-row tables stay bfloat16 (1.05 of 8.03 B weights)
+
+
+@pytest.mark.slow  # two abstract compiles of llama3_8b's LoRA step on 8 fake CPU devices (nothing allocated): ≈ 20 s
+def test_llama3_8b_qlora_step_takes_the_nf4_base_in_xla_memory_analysis():
+  """bench/finetune_memory.py's compile of llama3_8b's LoRA step (finetune.gin, rank 8, data4×tensor2, 8 × 1,024,
+  remat full): XLA's memory analysis of the compiled step counts, per device, the stored base and nothing else
+  different between bfloat16 and nf4 among its arguments; nf4's is 0.39× bfloat16's (the untied 128,256-row
+  tables stay bfloat16)."""
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+  import finetune_memory  # pylint: disable=g-import-not-at-top,import-outside-toplevel  (bench/finetune_memory.py)
+  try:
+    model_config, optimizer_config, lora_config = finetune_memory.configs("llama3_8b", 8)
+  finally:
+    gin.clear_config()
+  model_config = dataclasses.replace(model_config, remat_policy="full")
+  got = {p: finetune_memory.compile_mode(f"lora-{p}", model_config, optimizer_config, lora_config,
+                                         {"data": 4, "tensor": 2}, 8, 1024) for p in ("bfloat16", "nf4")}
+  assert got["bfloat16"]["arguments"] - got["bfloat16"]["base"] == got["nf4"]["arguments"] - got["nf4"]["base"]
+  assert got["bfloat16"]["base"] == memory_model.lora_bytes_per_device(
+      model_config, memory_model.Layout(data=4, tensor=2), dataclasses.replace(lora_config, base_precision="bfloat16")).base
+  ratio = got["nf4"]["arguments"] / got["bfloat16"]["arguments"]
+  assert 0.385 < got["nf4"]["base"] / got["bfloat16"]["base"] < 0.395 and 0.395 < ratio < 0.41, ratio
 
 
 def test_bad_precisions_are_one_line_errors():
