@@ -100,6 +100,12 @@ def _ring(axis: str, n: int, window: int, scale: float, softcap: float):
     mask = mask[None] & (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_q != 0)[:, :, None]
     return mask[:, None, None], reachable
 
+  def on_block(j, seg_q, seg_k, compute, carry):
+    """compute(carry, mask) for key/value block (me − j) mod n, or the carry as it is where that block is out of
+    reach (lax.cond: skipped, not masked)."""
+    mask, reachable = block_mask(seg_q, seg_k, (jax.lax.axis_index(axis) - j) % n)
+    return jax.lax.cond(reachable, lambda c: compute(c, mask), lambda c: c, carry)
+
   def rotate(tree):
     return jax.lax.ppermute(tree, axis, perm=[(i, (i + 1) % n) for i in range(n)])
 
@@ -112,13 +118,11 @@ def _ring(axis: str, n: int, window: int, scale: float, softcap: float):
   def forward(q, k, v, seg):
     qh, kh, vh = heads_first(q, k, v)
     b, kv_heads, group, t, d = qh.shape
-    me = jax.lax.axis_index(axis)
 
     def fold(j, out, high, norm, kj, vj, seg_k):
       """Folds key/value block (me − j) mod n into the running (output sum, maximum, normaliser)."""
-      mask, reachable = block_mask(seg, seg_k, (me - j) % n)
 
-      def compute(carry):
+      def compute(carry, mask):
         out, high, norm = carry
         logits, _ = logits_of(qh, kj)
         logits = jnp.where(mask, logits, NEG)
@@ -129,7 +133,7 @@ def _ring(axis: str, n: int, window: int, scale: float, softcap: float):
                                                   preferred_element_type=jnp.float32)
         return out, new_high, norm * decay + probs.sum(-1)
 
-      return jax.lax.cond(reachable, compute, lambda carry: carry, (out, high, norm))
+      return on_block(j, seg, seg_k, compute, (out, high, norm))
 
     def step(j, carry):  # a rolled loop: one block's scores live at a time, whatever XLA's schedule
       out, high, norm, held = carry
@@ -154,13 +158,11 @@ def _ring(axis: str, n: int, window: int, scale: float, softcap: float):
     b, kv_heads, group, t, d = qh.shape
     d_out = d_result.reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4).astype(jnp.float32)
     delta = (d_out * out).sum(-1)  # (B, K, G, Tq): Σ_d dO·O, the softmax backward's row term
-    me = jax.lax.axis_index(axis)
 
     def grads(j, dq, kj, vj, seg_k, dk, dv):
       """Adds key/value block (me − j) mod n's terms to dq and to the block's travelling dk, dv."""
-      mask, reachable = block_mask(seg, seg_k, (me - j) % n)
 
-      def compute(carry):
+      def compute(carry, mask):
         dq, dk, dv = carry
         logits, capped = logits_of(qh, kj)
         probs = jnp.exp(logits - log_norm[..., None]) * mask
@@ -174,7 +176,7 @@ def _ring(axis: str, n: int, window: int, scale: float, softcap: float):
         dk = dk + jnp.einsum("bkgqs,bkgqd->bksd", d_logits, qh.astype(jnp.float32))
         return dq, dk, dv
 
-      return jax.lax.cond(reachable, compute, lambda carry: carry, (dq, dk, dv))
+      return on_block(j, seg, seg_k, compute, (dq, dk, dv))
 
     def step(j, carry):  # the block and its gradients move on together
       dq, (kj, vj, seg_k, dk, dv) = carry
