@@ -70,7 +70,6 @@ def compile_mode(mode: str, model_config, optimizer_config, lora_config, mesh_sh
   trainable = config_lib.TRAINABLE_PRESETS["attention"] if mode == "attention" else ".*"
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
-    model_shardings = partitioning.shardings_from_boxed(boxed, mesh, rules)
     params_fn, frozen, frozen_shardings, base_bytes = None, {}, {}, 0
     if mode.startswith("lora"):
       precision = mode.partition("-")[2] or lora_config.base_precision

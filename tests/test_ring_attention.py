@@ -1,13 +1,14 @@
 """Ring attention (GPTConfig.context_parallelism='ring', model/ring.py) on the fake 8-device CPU mesh: it equals
 single-device attention, forward and gradients, over sequence = 2, 4 and 8, on a packed and padded grouped-query
-batch, causal and with a sliding window and soft-capping; a model trained on a `sequence` mesh with the ring
-equals one device (tests/test_parallelism.py's layouts); the ring holds (T/s)² scores per device where the
-all-gather holds (T/s) × T (compiled memory analysis); and it refuses what it cannot do.
+batch, causal and with a sliding window and soft-capping; and it refuses what it cannot do. A model trained on a
+`sequence` mesh with the ring equals one device in tests/test_parallelism.py (layout sequence4_data2_ring), and
+tests/test_long_sequence.py compares the ring's compiled memory with the all-gather's.
 
 Tolerance: float32 throughout; the ring sums each row's softmax terms in another order (block by block, rescaled
 by the running maximum), so outputs and gradients agree to 1e-5 of the largest, not bit for bit.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -81,4 +82,4 @@ def test_ring_is_refused_where_it_cannot_run():
                      (dict(sliding_window=4, sliding_window_pattern=2, position_embedding="rope"),
                       r"'ring' does not support sliding_window_pattern=2")):
     with pytest.raises(ValueError, match=match):
-      __import__("dataclasses").replace(cfg, **bad).validate()
+      dataclasses.replace(cfg, **bad).validate()
