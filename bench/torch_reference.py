@@ -19,9 +19,10 @@ Last, each framework's float32 GEMM alone on the forward's dense shapes (XLA's d
 PyTorch worker): how much of the ratio is the GEMM library on this CPU rather than the step around it.
 
 The PyTorch loop runs in a child process of its own (never at the same time as t5x_like's), with the C library's
-malloc as a new user's script has it. t5x_like's side runs as the trainer does, with glibc set to keep freed memory
-(parallel/host_allocator.py, set by every entry point); `--torch_allocator=same` gives the PyTorch process the same
-settings, to show what they are worth to it.
+malloc as a new user's script has it. t5x_like's side runs as the trainer does: restarted on jemalloc where Debian's
+libjemalloc2 is installed, else glibc set to keep freed memory (t5x_like/jemalloc.py, parallel/host_allocator.py),
+each step dispatched as the trainer's loop does (trainer.dispatches_ahead); `--torch_allocator=same` gives the
+PyTorch process the same allocator, to show what it is worth to it.
 
 Resident memory (VmRSS) after each model's rounds: the PyTorch worker's (one per model), and this process's, which
 also holds the models measured before (run one --models at a time for each alone).
@@ -160,9 +161,8 @@ class T5xLoop:
     self.step, self.state, self.data, _, _ = train_throughput.compiled_step(cfg, batch, seq)
 
   def run(self, steps: int) -> float:
-    for _ in range(steps):  # no host sync inside the loop, as the trainer between log steps
-      self.state, metrics = self.step(self.state, self.data)
-    return float(metrics["loss"])
+    self.state, loss = train_throughput.run_steps(self.step, self.state, self.data, steps)  # as the trainer's loop
+    return loss
 
 
 def rss_gib(pid="self") -> float:
@@ -237,7 +237,9 @@ def main():
   args = parser.parse_args()
   if args.torch_worker:
     return torch_worker(args)
-  print(f"torch {torch.__version__} ({args.threads} threads, malloc: {args.torch_allocator}); {os.cpu_count()} cores; "
+  t5x_malloc = "jemalloc" if host_allocator.jemalloc_loaded() else "glibc, freed memory kept"
+  print(f"torch {torch.__version__} ({args.threads} threads, malloc: {args.torch_allocator}); t5x_like malloc: "
+        f"{t5x_malloc}, dispatching ahead: {train_throughput.trainer.dispatches_ahead()}; {os.cpu_count()} cores; "
         f"load average {os.getloadavg()[0]:.2f} at start; batch {args.batch} × {args.seq}\n")
   print("| model | params | t5x_like dtype | t5x_like tokens/s | PyTorch float32 tokens/s | ratio | loss t5x / torch | "
         "RSS t5x_like / PyTorch GiB |")

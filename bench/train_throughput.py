@@ -24,11 +24,13 @@ import json
 import os
 import time
 
+from t5x_like import jemalloc  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from t5x_like.parallel import distributed  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from t5x_like.parallel import host_allocator  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
+jemalloc.preload_jemalloc()  # the host allocator every entry point restarts on (where libjemalloc2 is installed)
 distributed.set_cpu_xla_flags()  # the XLA:CPU flags the trainer runs with (before jax starts its backend)
-host_allocator.keep_freed_memory()  # as every entry point (cli.run) sets it
+host_allocator.keep_freed_memory()  # without jemalloc, as every entry point (cli.run) sets it
 
 import flax.linen as nn  # pylint: disable=g-import-not-at-top,g-bad-import-order
 import jax
@@ -45,6 +47,7 @@ from t5x_like.training import optimizer
 from t5x_like.parallel import partitioning
 from t5x_like.training import precision
 from t5x_like.training import train_state
+from t5x_like.training import trainer
 from t5x_like.training import step as train_step
 from t5x_like.training.objectives import language_model
 
@@ -120,6 +123,18 @@ def compiled_step(cfg, batch: int, seq: int, loss_scaling: str = "auto", offload
   return compiled, state, data, time.perf_counter() - t0, time.process_time() - c0
 
 
+def run_steps(compiled, state, data, steps: int) -> tuple:
+  """(state, last loss) after `steps` steps dispatched as the trainer's loop does: ahead of the last one's end
+  except on CPU (trainer.StepGate), no host transfer until the last."""
+  gate = trainer.StepGate(trainer.dispatches_ahead())
+  for _ in range(steps):
+    gate.wait()
+    state, metrics = compiled(state, data)
+    gate.dispatched(metrics)
+  gate.wait()  # the last step's temporaries freed too: the next call's first step starts without a pause
+  return state, float(metrics["loss"])
+
+
 def bench_point(cfg, batch: int, seq: int, steps: int, warmup: int, loss_scaling: str = "auto",
                 offload_optimizer: bool = False) -> dict:
   """Compile time, mean step time and CPU seconds per step of the jitted train_step on one device."""
@@ -133,9 +148,7 @@ def bench_point(cfg, batch: int, seq: int, steps: int, warmup: int, loss_scaling
     state, metrics = compiled(state, data)
   jax.block_until_ready(metrics)
   t0, c0 = time.perf_counter(), time.process_time()
-  for _ in range(steps):  # async dispatch: no host sync inside the loop
-    state, metrics = compiled(state, data)
-  loss = float(metrics["loss"])
+  state, loss = run_steps(compiled, state, data, steps)
   wall, cpu = time.perf_counter() - t0, time.process_time() - c0
   return {"compile_seconds": compile_seconds, "compile_cpu_seconds": compile_cpu_seconds,
           "first_step_seconds": first_step_seconds, "step_seconds": wall / steps, "cpu_seconds": cpu / steps,

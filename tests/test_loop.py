@@ -2,6 +2,8 @@
 
 import contextlib
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -109,6 +111,36 @@ def test_rollback_restarts_from_the_checkpoint_without_saving_the_bad_step():
   step, state, _, saves, batches = run(guard=FakeGuard(rollback_after=5, rollback_to=4))
   assert batches == [1, 2, 3, 4, 5, 5, 6, 7, 8, 9, 10]  # step 5 runs again, on a new batch
   assert saves == [(5, 5), (10, 10)] and step == 10 and state["step"] == 10
+
+
+@pytest.mark.parametrize("dispatch_ahead", [False, True])
+def test_on_cpu_a_step_is_dispatched_after_the_last_one_finished(dispatch_ahead):
+  """Without dispatching ahead (the CPU default: each step in flight holds its temporaries in host memory) a step
+  starts only after the last one's metrics are ready, and after the next batch was fetched; dispatching ahead,
+  steps of a slow computation are queued behind unfinished ones."""
+  slow = jax.jit(lambda x: jnp.tanh(jnp.linalg.matrix_power(x, 255)).sum())
+  x = jnp.eye(512) * 0.5  # ~20 ms a call
+  slow(x).block_until_ready()
+  ready_at_dispatch, order = [], []
+
+  def step_fn(state, batch):
+    ready_at_dispatch.append([w.is_ready() for w in state["pending"]])
+    order.append(("step", batch))
+    work = slow(x)  # the step's metrics: what the loop waits for
+    return State(step=state["step"] + 1, pending=[work]), {"nonfinite": 0, "work": work}
+
+  def next_batch(step):
+    order.append(("batch", step))
+    return step
+
+  meter, saves = FakeMeter(), []
+  checkpoint = hooks.CheckpointHook(hooks.Every(0, 6), lambda step, state: saves.append(step), meter)
+  trainer.run_loop(state=State(step=0, pending=[]), start=0, train_steps=6, next_batch=next_batch, step_fn=step_fn,
+                   hooks=[], checkpoint=checkpoint, guard=FakeGuard(), meter=meter, dispatch_ahead=dispatch_ahead)
+  assert order == [(kind, s) for s in range(1, 7) for kind in ("batch", "step")] and saves == [6]
+  waited = [all(r) for r in ready_at_dispatch[1:]]  # was the last step's work done when this one was dispatched?
+  assert all(waited) if not dispatch_ahead else not all(waited)
+  assert trainer.dispatches_ahead(None) is False and trainer.dispatches_ahead(True) is True  # tests run on CPU
 
 
 @pytest.mark.parametrize("num_streams", [1, 2, 4])
