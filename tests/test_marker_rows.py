@@ -108,13 +108,13 @@ def test_lora_on_chat_data_trains_the_marker_rows_and_every_reader_merges_them(t
   assert experiment_lib.Experiment(dataclasses.replace(run, model_dir=old_dir), CHAT_MODEL, opt).marker_ids == ()
 
 
-def launch(module: str, *argv) -> None:
-  """`python -m t5x_like.<module> *argv` as a user runs it: its own process, XLA's optimisation on
-  (conftest.xla_flags(fast_compile=False): the steps run ~3× faster than under the test process's flags)."""
+def launch(module: str, *runs) -> None:
+  """`python -m t5x_like.<module> ARGV` for each ARGV of `runs`, one after another in one process
+  (conftest.launch_each), as a user runs them: XLA's optimisation on (conftest.xla_flags(fast_compile=False): the
+  steps run ~3× faster than under the test process's flags)."""
   env = dict(os.environ, XLA_FLAGS=conftest.xla_flags(0, fast_compile=False))
-  done = subprocess.run([sys.executable, "-m", f"t5x_like.{module}", *argv], cwd=ROOT, env=env, capture_output=True,
-                        text=True, check=False)
-  assert done.returncode == 0, done.stderr[-3000:]
+  for done in conftest.launch_each(f"t5x_like.{module}", [list(argv) for argv in runs], env=env, timeout=900):
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.slow  # the corpus, 300 pre-training and 450 LoRA steps of llama_tiny, 4 launches: ≈ 3 min on 2 cores
@@ -129,27 +129,31 @@ def test_lora_learns_a_new_chat_format_from_a_base_pre_trained_on_plain_text(tmp
   subprocess.run([sys.executable, "data/pystdlib/prepare.py", f"--output_dir={corpus}", "--max_mb=4"], cwd=ROOT,
                  check=True, capture_output=True)
   models = ["--gin_file=configs/models/llama_tiny.gin", "--gin.model.GPTConfig.dtype='float32'"]
-  launch("train", "--gin_file=configs/experiments/pystdlib_demo.gin", *models, f"--gin.MODEL_DIR='{base}'",
-         f"--gin.DATA_DIR='{corpus}'", "--gin.TRAIN_STEPS=300", "--gin.EVAL_EVERY=300", "--gin.CHECKPOINT_EVERY=300",
-         "--gin.LOG_EVERY=100")
   train_file, test_file = chat_synth.write_synthetic_chat(str(tmp_path / "task"), "first", 4000, 100)
   preprocessing.preprocess([train_file], str(tmp_path / "chat"), tokenizer=str(corpus), data_format="chat",
                            validation_fraction=0.05, num_train_shards=2, progress=False, cache_dir=None)
   finetune = ["--gin_file=configs/runs/finetune.gin", *models, f"--gin.DATA_DIR='{tmp_path / 'chat'}'"]
-  launch("train", *finetune, f"--gin.lora.LoraConfig.rank={LORA_TASK_RANK}", f"--gin.MODEL_DIR='{lora_dir}'",
-         f"--gin.INITIAL_CHECKPOINT_PATH='{base}'", "--gin.TRAIN_STEPS=450", "--gin.BATCH_SIZE=16", "--gin.SEQ_LEN=64",
-         "--gin.LOG_EVERY=150", "--gin.EVAL_EVERY=450", "--gin.CHECKPOINT_EVERY=450",
-         "--gin.optimizer.OptimizerConfig.learning_rate=3e-3")
+  launch("train",  # pre-training, then LoRA SFT from its checkpoint
+         ["--gin_file=configs/experiments/pystdlib_demo.gin", *models, f"--gin.MODEL_DIR='{base}'",
+          f"--gin.DATA_DIR='{corpus}'", "--gin.TRAIN_STEPS=300", "--gin.EVAL_EVERY=300", "--gin.CHECKPOINT_EVERY=300",
+          "--gin.LOG_EVERY=100"],
+         [*finetune, f"--gin.lora.LoraConfig.rank={LORA_TASK_RANK}", f"--gin.MODEL_DIR='{lora_dir}'",
+          f"--gin.INITIAL_CHECKPOINT_PATH='{base}'", "--gin.TRAIN_STEPS=450", "--gin.BATCH_SIZE=16", "--gin.SEQ_LEN=64",
+          "--gin.LOG_EVERY=150", "--gin.EVAL_EVERY=450", "--gin.CHECKPOINT_EVERY=450",
+          "--gin.optimizer.OptimizerConfig.learning_rate=3e-3"])
   with open(lora_dir / "metrics.jsonl", encoding="utf-8") as f:
     report = next(r for r in map(json.loads, f) if "params/trainable" in r)
   assert report["params/marker_rows"] == 4 * 128 * 2 and report["params/trainable_fraction"] < 0.02
 
-  def exact_match(model_dir) -> float:  # as `evaluate --generate`; a LoRA run's settings are read from the run
-    out = tmp_path / f"{os.path.basename(model_dir)}.json"
-    launch("evaluate", *finetune, f"--gin.MODEL_DIR='{model_dir}'", "--generate", f"--prompt_file={test_file}",
-           f"--output_file={out}", "--batch_size=50")
+  # `evaluate --generate` on the base, then on the LoRA run (whose settings are read from the run)
+  outputs = [tmp_path / f"{os.path.basename(d)}.json" for d in (base, lora_dir)]
+  launch("evaluate", *([*finetune, f"--gin.MODEL_DIR='{d}'", "--generate", f"--prompt_file={test_file}",
+                        f"--output_file={out}", "--batch_size=50"] for d, out in zip((base, lora_dir), outputs)))
+
+  def exact_match(out) -> float:
     with open(out, encoding="utf-8") as f:
       return json.load(f)["generate/exact_match"]
 
-  assert exact_match(base) == 0.0
-  assert exact_match(lora_dir) >= 0.9
+  base_match, lora_match = map(exact_match, outputs)
+  assert base_match == 0.0
+  assert lora_match >= 0.9
