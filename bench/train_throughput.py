@@ -22,13 +22,15 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import time
 
 from t5x_like import jemalloc  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from t5x_like.parallel import distributed  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from t5x_like.parallel import host_allocator  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
-jemalloc.preload_jemalloc()  # the host allocator every entry point restarts on (where libjemalloc2 is installed)
+if os.path.dirname(os.path.abspath(sys.argv[0])) == os.path.dirname(os.path.abspath(__file__)):  # a bench script
+  jemalloc.preload_jemalloc()  # restarts on the host allocator of every entry point (where libjemalloc2 is installed)
 distributed.set_cpu_xla_flags()  # the XLA:CPU flags the trainer runs with (before jax starts its backend)
 host_allocator.keep_freed_memory()  # without jemalloc, as every entry point (cli.run) sets it
 
