@@ -70,16 +70,24 @@ def test_cut_rows_keeps_every_token_in_order_and_restarts_cut_documents():
 @pytest.mark.slow  # two short training launches
 def test_warmup_runs_short_rows_first_and_a_resumed_run_is_bit_identical(corpus, tmp_path, monkeypatch):
   """6 steps straight vs a copy of its step-3 checkpoint resumed to 6: the same lengths per step, losses
-  and parameters."""
-  seen = []
+  and parameters. The straight run keeps one step in flight (the CPU default), the resumed one dispatches ahead
+  (TrainConfig.dispatch_ahead=True): the way steps are dispatched changes nothing they compute."""
+  seen, gates = [], []
+
+  class Gate(trainer.StepGate):
+    def __init__(self, dispatch_ahead):
+      gates.append(dispatch_ahead)
+      super().__init__(dispatch_ahead)
+
+  monkeypatch.setattr(trainer, "StepGate", Gate)
   cut = curriculum.cut_rows
   monkeypatch.setattr(curriculum, "cut_rows", lambda batch, length: (seen.append(length), cut(batch, length))[1])
   warmup = curriculum.CurriculumConfig(seq_len_warmup_steps=4, seq_len_start=8, seq_len_multiple=8)
   small_data = data_lib.DataConfig(eval_batches=1, shuffle_buffer=64)  # the run's final evaluation: one batch
 
-  def run(model_dir, steps):
+  def run(model_dir, steps, dispatch_ahead=None):
     config = test_train_e2e.run_config(str(model_dir), corpus, train_steps=steps, log_every=1, checkpoint_every=3,
-                                       eval_every=0, curriculum=warmup, data=small_data)
+                                       eval_every=0, curriculum=warmup, data=small_data, dispatch_ahead=dispatch_ahead)
     trainer.train(config, SMALL, dataclasses.replace(test_train_e2e.OPT, decay="constant", warmup_steps=2))
 
   def losses(model_dir):
@@ -88,8 +96,8 @@ def test_warmup_runs_short_rows_first_and_a_resumed_run_is_bit_identical(corpus,
   run(tmp_path / "straight", 6)
   assert seen == [8, 8, 16, 16, 32, 32]  # SEQ_LEN 32: the ramp 8 → 32 over 4 steps, then 32
   seen.clear()
-  run(conftest.rewind(tmp_path / "straight", tmp_path / "resumed", 3), 6)
-  assert seen == [16, 32, 32]  # steps 4-6 continue the ramp where the checkpoint left it
+  run(conftest.rewind(tmp_path / "straight", tmp_path / "resumed", 3), 6, dispatch_ahead=True)
+  assert seen == [16, 32, 32] and gates == [False, True]  # steps 4-6 continue the ramp where the checkpoint left it
   straight = losses(tmp_path / "straight")
   assert losses(tmp_path / "resumed") == {step: straight[step] for step in (4, 5, 6)}
   digests = [checkpointing.params_digest(checkpointing.restore_params(str(tmp_path / name))[1])

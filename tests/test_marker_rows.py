@@ -117,7 +117,7 @@ def launch(module: str, *runs) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-@pytest.mark.slow  # the corpus, 300 pre-training and 450 LoRA steps of llama_tiny, 4 launches: ≈ 3 min on 2 cores
+@pytest.mark.slow  # the corpus, 300 pre-training and 450 LoRA steps of llama_tiny, 2 processes: ≈ 2.5 min on 2 cores
 def test_lora_learns_a_new_chat_format_from_a_base_pre_trained_on_plain_text(tmp_path):
   """bench/finetune_task.py's 'first' task as a new user runs it: llama_tiny pre-trained on the standard library's
   source (no chat markers in it), then LoRA SFT with configs/runs/finetune.gin (rank 4, alpha 16, lr 3e-3, the
