@@ -21,7 +21,7 @@ PyTorch worker): how much of the ratio is the GEMM library on this CPU rather th
 The PyTorch loop runs in a child process of its own (never at the same time as t5x_like's), with the C library's
 malloc as a new user's script has it. t5x_like's side runs as the trainer does: restarted on jemalloc where Debian's
 libjemalloc2 is installed, else glibc set to keep freed memory (t5x_like/jemalloc.py, parallel/host_allocator.py),
-each step dispatched as the trainer's loop does (trainer.dispatches_ahead); `--torch_allocator=same` gives the
+each step dispatched as the trainer's loop does (trainer.StepGate); `--torch_allocator=same` gives the
 PyTorch process the same allocator, to show what it is worth to it.
 
 Resident memory (VmRSS) after each model's rounds: the PyTorch worker's (one per model), and this process's, which
@@ -239,7 +239,7 @@ def main():
     return torch_worker(args)
   t5x_malloc = "jemalloc" if host_allocator.jemalloc_loaded() else "glibc, freed memory kept"
   print(f"torch {torch.__version__} ({args.threads} threads, malloc: {args.torch_allocator}); t5x_like malloc: "
-        f"{t5x_malloc}, dispatching ahead: {train_throughput.trainer.dispatches_ahead()}; {os.cpu_count()} cores; "
+        f"{t5x_malloc}, dispatching ahead: {train_throughput.trainer.StepGate().ahead}; {os.cpu_count()} cores; "
         f"load average {os.getloadavg()[0]:.2f} at start; batch {args.batch} × {args.seq}\n")
   print("| model | params | t5x_like dtype | t5x_like tokens/s | PyTorch float32 tokens/s | ratio | loss t5x / torch | "
         "RSS t5x_like / PyTorch GiB |")

@@ -128,7 +128,7 @@ def compiled_step(cfg, batch: int, seq: int, loss_scaling: str = "auto", offload
 def run_steps(compiled, state, data, steps: int) -> tuple:
   """(state, last loss) after `steps` steps dispatched as the trainer's loop does: ahead of the last one's end
   except on CPU (trainer.StepGate), no host transfer until the last."""
-  gate = trainer.StepGate(trainer.dispatches_ahead())
+  gate = trainer.StepGate()
   for _ in range(steps):
     gate.wait()
     state, metrics = compiled(state, data)

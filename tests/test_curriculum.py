@@ -76,8 +76,8 @@ def test_warmup_runs_short_rows_first_and_a_resumed_run_is_bit_identical(corpus,
 
   class Gate(trainer.StepGate):
     def __init__(self, dispatch_ahead):
-      gates.append(dispatch_ahead)
       super().__init__(dispatch_ahead)
+      gates.append(self.ahead)
 
   monkeypatch.setattr(trainer, "StepGate", Gate)
   cut = curriculum.cut_rows

@@ -96,7 +96,7 @@ class TrainConfig:
   axis_rules: Optional[tuple] = None  # logical→mesh rules; None = partitioning.DEFAULT_RULES
   offload_optimizer: bool = False  # ZeRO-Offload: AdamW state in pinned host memory
   # Dispatch step N+1 before step N has finished. None = not on the CPU backend, where each step in flight holds
-  # its temporaries in host memory (trainer.dispatches_ahead, docs/performance.md), yes elsewhere.
+  # its temporaries in host memory (trainer.StepGate, docs/performance.md), yes elsewhere.
   dispatch_ahead: Optional[bool] = None
   data: DataConfig = DataConfig()  # built from data.DataConfig bindings by cli.train_config()
   checkpoint: CheckpointConfig = CheckpointConfig()  # checkpointing.CheckpointConfig

@@ -50,15 +50,10 @@ def experiment_builder() -> Callable:
   return _BUILDERS["experiment"]
 
 
-def dispatches_ahead(setting: Optional[bool] = None) -> bool:
-  """Whether the loop dispatches a step before the last one has finished (TrainConfig.dispatch_ahead; None = the
-  backend's default: not on CPU, where every step in flight holds its temporaries in host memory; StepGate)."""
-  return jax.default_backend() != "cpu" if setting is None else bool(setting)
-
-
 class StepGate:
-  """Keeps one step in flight when not dispatching ahead: `wait()` before dispatching a step, `dispatched(metrics)`
-  after. XLA:CPU mallocs a step's temporaries (1.7 GiB for gpt_25m float32 at 16 × 256) when it starts and frees
+  """Whether the loop dispatches a step before the last one has finished (`ahead`: TrainConfig.dispatch_ahead; None =
+  the backend's default, not on CPU), and one step in flight when not: `wait()` before dispatching a step,
+  `dispatched(metrics)` after. XLA:CPU mallocs a step's temporaries (1.7 GiB for gpt_25m float32 at 16 × 256) when it starts and frees
   them on its own thread 0.1–6 ms after the outputs are ready; a step started in that gap, or dispatched ahead,
   holds a second set, and a host allocator that keeps freed pages (jemalloc's settings here) keeps both for good.
   So `wait()` blocks on the last step's metrics, then gives the runtime the smaller of WAIT_SECONDS and
@@ -68,8 +63,9 @@ class StepGate:
   WAIT_SECONDS = 0.01
   WAIT_FRACTION = 0.01
 
-  def __init__(self, dispatch_ahead: bool):
-    self.ahead, self.metrics, self.started = dispatch_ahead, None, 0.0
+  def __init__(self, dispatch_ahead: Optional[bool] = None):
+    self.ahead = jax.default_backend() != "cpu" if dispatch_ahead is None else bool(dispatch_ahead)
+    self.metrics, self.started = None, 0.0
 
   def wait(self) -> None:
     if self.ahead or self.metrics is None:
@@ -83,7 +79,7 @@ class StepGate:
 
 def run_loop(*, state, start: int, train_steps: int, next_batch: Callable[[int], dict], step_fn: Callable,
              hooks: Sequence[Callable], checkpoint: hooks_lib.CheckpointHook, guard, meter,
-             profile: Optional[hooks_lib.ProfileHook] = None, dispatch_ahead: bool = True):
+             profile: Optional[hooks_lib.ProfileHook] = None, dispatch_ahead: Optional[bool] = True):
   """Runs optimizer steps start+1..train_steps.
 
   After each step: `hooks` (log, eval, ...) in order; then the run guard's non-finite policy (a
@@ -102,7 +98,7 @@ def run_loop(*, state, start: int, train_steps: int, next_batch: Callable[[int],
     meter: metrics.IntervalMeter timing the steps.
     profile: the profile hook, if any (it starts traces before a step).
     dispatch_ahead: False keeps one step in flight (StepGate): the next batch is fetched while the last step runs,
-      the step dispatched once it has finished.
+      the step dispatched once it has finished; None = the backend's default.
 
   Returns:
     (last step run, state).
@@ -291,7 +287,7 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
       step, state = run_loop(state=state, start=start, train_steps=config.train_steps, next_batch=next_batch,
                              step_fn=step_fn, hooks=[profile, log, evaluate, *extra_hooks],
                              checkpoint=checkpoint, guard=guard, meter=meter, profile=profile,
-                             dispatch_ahead=dispatches_ahead(config.dispatch_ahead))
+                             dispatch_ahead=config.dispatch_ahead)
       guard.finish(step)  # waits for the last save; the final one must have committed
     profile.profiler.stop(state)
   if is_primary:
