@@ -16,6 +16,7 @@ is only the output projection's small softmax terms), Adam still amplifies a 1e-
 import dataclasses
 import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -28,6 +29,7 @@ from t5x_like.parallel import distributed
 from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.model import config as config_lib
 from t5x_like.model import decoder as model_lib
+from t5x_like.model import pipeline_parallel
 from t5x_like.training import optimizer
 from t5x_like.parallel import partitioning
 from t5x_like.training import train_state
@@ -81,11 +83,15 @@ def initial_state():
 
 
 def train(initial, mesh_shape: dict, *, num_microbatches: int = 1, remat: str = "none",
-          pipeline_microbatches: int = 0, pipeline_repeats: int = 1, devices=None, base=CFG):
-  """Runs STEPS train steps from `initial` on one batch; returns ([(loss, grad_norm)], params as numpy)."""
+          pipeline_microbatches: int = 0, pipeline_repeats: int = 1, devices=None, base=CFG, hlo=None):
+  """Runs STEPS train steps from `initial` on one batch; returns ([(loss, grad_norm)], params as numpy). With
+  `base.blocks_in_stage_order` the state is put in stage order first and its parameters back in layer order after
+  (pipeline_parallel.to_stage_order / to_layer_order). `hlo`: a list the compiled step's HLO text is appended to."""
   mesh, cfg, model, tx, lr_fn = make_layout(mesh_shape, remat=remat, pipeline_microbatches=pipeline_microbatches,
                                             pipeline_repeats=pipeline_repeats, devices=devices, base=base)
   config_lib.check_layout(cfg, mesh.shape, batch_size=BATCH, num_microbatches=num_microbatches)
+  if cfg.blocks_stage_ordered:
+    initial = pipeline_parallel.to_stage_order(cfg, initial)
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
     _, shardings = train_state.state_shardings(model, tx, mesh, RULES)
     state = jax.device_put(initial, shardings)
@@ -94,12 +100,15 @@ def train(initial, mesh_shape: dict, *, num_microbatches: int = 1, remat: str = 
     step = jax.jit(functools.partial(train_step.train_step, objective=language_model.LanguageModel(model.apply), tx=tx, lr_fn=lr_fn,
                                      num_microbatches=num_microbatches),
                    in_shardings=(shardings, {k: batch_sharding for k in batch}),
-                   out_shardings=(shardings, None))
+                   out_shardings=(shardings, None)).lower(state, batch).compile()
+    if hlo is not None:
+      hlo.append(step.as_text())
     history = []
     for _ in range(STEPS):
       state, metrics = step(state, batch)
       history.append((float(metrics["loss"]), float(metrics["grad_norm"])))
-  return np.array(history), jax.tree.map(np.asarray, state.params)
+  params = pipeline_parallel.to_layer_order(cfg, state.params) if cfg.blocks_stage_ordered else state.params
+  return np.array(history), jax.tree.map(np.asarray, params)
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +154,33 @@ FAST_LAYOUTS = ("data8", "data2_fsdp2_tensor2")
                                     for l in LAYOUTS])
 def test_layout_trains_like_one_device(layout, initial_state, reference):
   assert_same_training(train(initial_state, **LAYOUTS[layout]), reference)
+
+
+def _all_to_alls(hlo_text: str) -> list:
+  return [line.strip()[:160] for line in hlo_text.splitlines() if re.search(r"\ball-to-all(-start)?\(", line)]
+
+
+@pytest.mark.slow  # two compiles of the interleaved pipeline; CI runs it
+def test_interleaved_pipeline_in_stage_order_trains_like_one_device_and_never_regroups_its_weights(
+    initial_state, reference):
+  """The trainer's interleaved pipeline holds its blocks in stage order (GPTConfig.blocks_in_stage_order): its
+  compiled step has no all-to-all (in layer order, the same layout's step regroups every block weight and gradient
+  through one), and it trains like one device once its parameters are put back in layer order."""
+  layout = LAYOUTS["pipeline2_data2_tensor2_v2"]
+  texts = []
+  result = train(initial_state, **layout, base=dataclasses.replace(CFG, blocks_in_stage_order=True), hlo=texts)
+  assert _all_to_alls(texts[0]) == []
+  assert_same_training(result, reference)
+  mesh, cfg, model, tx, lr_fn = make_layout(layout["mesh_shape"], pipeline_repeats=2)  # layer order: regroups
+  with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    abstract, shardings = train_state.state_shardings(model, tx, mesh, RULES)
+    batch_sharding = partitioning.batch_sharding(mesh, RULES)
+    step = jax.jit(functools.partial(train_step.train_step, objective=language_model.LanguageModel(model.apply),
+                                     tx=tx, lr_fn=lr_fn, num_microbatches=1), out_shardings=(shardings, None))
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding) for k, v in synthetic_batch().items()}
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    regrouped = _all_to_alls(step.lower(state, batch).compile().as_text())
+  assert len(regrouped) >= 2 * len(jax.tree.leaves(abstract.params["blocks"])), regrouped  # forward + backward
 
 
 # Accumulation + full remat on two layouts that between them split over every axis (data, fsdp, tensor,

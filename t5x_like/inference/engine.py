@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from t5x_like.inference import sampling as sampling_lib
 from t5x_like.inference.sampling import SamplingParams
 from t5x_like.model import decoder as model_lib
+from t5x_like.model import pipeline_parallel
 from t5x_like.parallel import axis_names as ax
 
 MIN_WIDTH = 8  # prefill widths are powers of two ≥ this (≤ cache_len): few shapes, few compiles
@@ -114,6 +115,7 @@ class Engine:
       keep_logits: also return the raw logits of every step (tests).
     """
     self.config = dataclasses.replace(model_config, num_stages=1) if model_config.num_stages > 1 else model_config
+    self._given_config = model_config  # a trainer's (stage-ordered blocks under an interleaved pipeline)
     self.params, self.mesh, self.rules = params, mesh, tuple(rules)
     axes = nn.logical_to_mesh_axes((ax.BATCH,), self.rules)[0] or ()
     self.row_multiple = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
@@ -138,6 +140,16 @@ class Engine:
     self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
     self._admit_fn = jax.jit(self._admit_step, donate_argnums=(1,))
     self._shift = jax.jit(self._shift_fn, donate_argnums=(0,))
+
+  @property
+  def params(self):
+    return self._params
+
+  @params.setter
+  def params(self, params):
+    """Decoding runs the layers in turn, so blocks a trainer holds in stage order are put back in layer order
+    (pipeline_parallel.reorder_blocks; a no-op otherwise)."""
+    self._params = pipeline_parallel.reorder_blocks(self._given_config, params, to_stage=False)
 
   def context(self):
     """The mesh and the rules, entered around every trace and call (or sharding constraints vanish)."""

@@ -52,6 +52,10 @@ class GPTConfig:
   # Virtual stages per pipeline device (interleaved/circular schedule): each device runs this many non-adjacent
   # chunks of layers, cutting the bubble to (p − 1)/(repeats·m + p − 1); needs pipeline_microbatches ≥ num_stages.
   pipeline_repeats: int = 1
+  # Whether the stacked blocks arrive in stage order when pipeline_repeats > 1 (pipeline_parallel.to_stage_order:
+  # each pipeline device's chunks contiguous, so no step regroups the weights). The trainer sets it for the state it
+  # holds; checkpoints, exports and the engine keep layer order. Nothing else needs to set it.
+  blocks_in_stage_order: bool = False
   # Architecture options (the defaults are GPT-2; Llama = rmsnorm, swiglu, rope, num_kv_heads, no biases, untied head).
   # layernorm (scale and bias) | rmsnorm (scale only) | rmsnorm_plus_one (Gemma: the stored scale w starts at 0 and
   # multiplies as 1 + w, in float32; also the query/key norms'); epsilon = layer_norm_epsilon
@@ -139,6 +143,11 @@ class GPTConfig:
     if self.scan_unroll:
       return self.scan_unroll
     return max(self.num_units, 1) if self.remat_policy == "none" and cpu_kernels.enabled() else 1
+
+  @property
+  def blocks_stage_ordered(self) -> bool:
+    """Whether the stacked blocks this config runs on are in stage order (interleaved pipeline, set by the trainer)."""
+    return self.blocks_in_stage_order and self.num_stages > 1 and self.pipeline_repeats > 1
 
   @property
   def head_dim(self) -> int:

@@ -14,6 +14,11 @@ its next repeat (M ≥ P keeps it from being read before it is written). After V
 loop buffer holds every microbatch's output. Each microbatch's segment ids and positions are looked up per
 stage, so its attention mask (and rotary angles) are rebuilt on whichever stage holds it.
 
+Stage order (V > 1): a trainer's state holds the stacked blocks as device s's chunks s, P + s, 2P + s, ... side by
+side (`to_stage_order`, GPTConfig.blocks_stage_ordered), so LAYERS' contiguous split over `pipeline` already gives
+each device its own chunks and no step regroups the weights or their gradients. Checkpoints, exports and the
+engine keep layer order: the trainer converts once where its state meets them (`reorder_blocks`).
+
 Idle stage-iterations (the "bubble") are a fraction (P − 1)/(V·M + P − 1) of the schedule: they compute on
 stale data whose results are never read, so they cost time but not correctness.
 """
@@ -51,19 +56,79 @@ def _block_param_names(config: GPTConfig):
 
 def stage_params(config: GPTConfig, stacked_params):
   """(U, ...) stacked block parameters → (P, V, U/(P·V), ...): [s, r] is chunk r·P + s, the stage axis constrained
-  to STAGE's mesh axis. V = 1 moves no data; V > 1 regroups each device's contiguous U/P elements (an
-  all-to-all of the block weights over `pipeline`, and of their gradients in the backward pass).
+  to STAGE's mesh axis. V = 1, or blocks already in stage order (GPTConfig.blocks_stage_ordered), moves no data;
+  V > 1 in layer order regroups each device's contiguous U/P elements (an all-to-all of the block weights over
+  `pipeline`, and of their gradients in the backward pass).
 
   Leaves the model does not declare (LoRA adapters beside a kernel) keep their own layout past the stage axis."""
   p, v = config.num_stages, config.pipeline_repeats
   names = {path: leaf for path, leaf in jax.tree_util.tree_leaves_with_path(
       _block_param_names(config), is_leaf=lambda x: isinstance(x, tuple))}
+  order = (lambda w: w) if config.blocks_stage_ordered else functools.partial(_regroup, v, p)
 
   def split(path, w):
-    w = jnp.swapaxes(w.reshape((v, p, w.shape[0] // (p * v)) + w.shape[1:]), 0, 1)  # (P, V, U/(P·V), ...)
+    w = order(w).reshape((p, v, w.shape[0] // (p * v)) + w.shape[1:])  # (P, V, U/(P·V), ...)
     return layers.constrain(w, (ax.STAGE, None, None) + names.get(path, (None,) * (w.ndim - 3)))
 
   return jax.tree_util.tree_map_with_path(split, stacked_params)
+
+
+def _regroup(outer: int, inner: int, w):
+  """(U, ...) read as (outer, inner, U/(outer·inner), ...) chunks → the same with the two chunk axes swapped."""
+  chunks = w.reshape((outer, inner, w.shape[0] // (outer * inner)) + w.shape[1:])
+  return jnp.swapaxes(chunks, 0, 1).reshape(w.shape)
+
+
+def _in_blocks(path) -> bool:
+  return any(getattr(key, "key", None) == "blocks" for key in path)
+
+
+def _reorder(config: GPTConfig, to_stage: bool, path, w):
+  if w.ndim == 0 or w.shape[0] != config.num_units:
+    raise ValueError(f"{jax.tree_util.keystr(path)}: shape {tuple(w.shape)} has no leading axis of the "
+                     f"{config.num_units} stacked elements, so it cannot be put in "
+                     f"{'stage' if to_stage else 'layer'} order")
+  p, v = config.num_stages, config.pipeline_repeats
+  return _regroup(v, p, w) if to_stage else _regroup(p, v, w)
+
+
+def to_stage_order(config: GPTConfig, tree):
+  """Every array under a `blocks` key of `tree` (parameters, optimizer state, LoRA adapters), layer order → stage
+  order: row s·(V·C) + r·C + c holds layer row (r·P + s)·C + c (C = U/(P·V)), so the contiguous split of LAYERS over
+  `pipeline` puts chunk r·P + s on device s. Traceable; other leaves pass through."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, w: _reorder(config, True, path, w) if _in_blocks(path) else w, tree)
+
+
+def to_layer_order(config: GPTConfig, tree):
+  """The inverse of `to_stage_order`."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, w: _reorder(config, False, path, w) if _in_blocks(path) else w, tree)
+
+
+_REORDERS = {}
+
+
+def reorder_blocks(config: GPTConfig, tree, *, to_stage: bool, donate: bool = False):
+  """`to_stage_order` / `to_layer_order` of sharded arrays, each block leaf keeping its sharding (one jit per
+  layout, cached); `tree` unchanged unless config.blocks_stage_ordered. `donate`: the input's block arrays are
+  consumed (a restore's), so the device never holds both orders of them."""
+  if not config.blocks_stage_ordered:
+    return tree
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  picked = [i for i, (path, _) in enumerate(flat) if _in_blocks(path)]
+  if not picked:
+    return tree
+  paths, arrays = [flat[i][0] for i in picked], [flat[i][1] for i in picked]
+  shardings = tuple(a.sharding for a in arrays)
+  key = (config, to_stage, donate, tuple(paths), shardings)
+  if key not in _REORDERS:
+    _REORDERS[key] = jax.jit(lambda xs: [_reorder(config, to_stage, path, x) for path, x in zip(paths, xs)],
+                             out_shardings=list(shardings), donate_argnums=(0,) if donate else ())
+  leaves = [leaf for _, leaf in flat]
+  for i, out in zip(picked, _REORDERS[key](arrays)):
+    leaves[i] = out
+  return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _stage_axis_name():

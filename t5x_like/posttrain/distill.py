@@ -32,7 +32,7 @@ TEACHER = "teacher"  # the frozen teacher's key in `frozen`
 MODEL_CONFIG_FILES = ("model.gin", "config.gin")  # a converted checkpoint's model.gin, a run's operative config
 # GPTConfig fields that fix execution, not the function: taken from this run's config, never the teacher's file.
 EXECUTION_FIELDS = ("dtype", "remat_policy", "scan_unroll", "attention_impl", "num_stages",
-                    "pipeline_microbatches", "pipeline_repeats")
+                    "pipeline_microbatches", "pipeline_repeats", "blocks_in_stage_order")
 # Former GPTConfig fields an older run's config.gin may still bind: skipped (the score head is model/heads.py's
 # ScoredGPT, LoRA dropout is posttrain/lora.py's).
 RETIRED_FIELDS = ("score_head", "lora_dropout")

@@ -19,6 +19,7 @@ import jax
 
 from t5x_like.model import decoder as model_lib
 from t5x_like.model import heads
+from t5x_like.model import pipeline_parallel
 from t5x_like.parallel import axis_names as ax
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
@@ -130,7 +131,7 @@ class FrozenModels:
     if spec.model_config is None and self.lora and pinned == self.lora_base:
       self.frozen[name], self.frozen_shardings[name] = self.frozen[lora_lib.BASE], self.frozen_shardings[lora_lib.BASE]
     else:
-      self.add_frozen(name, pinned, boxed, shardings)
+      self.add_frozen(name, pinned, boxed, shardings, spec.model_config)
     self.loaded[name] = pinned
     return pinned
 
@@ -200,6 +201,7 @@ class FrozenModels:
     pinned = self.check_checkpoint_shapes(path, "LoRA base checkpoint")
     if pinned != self.lora_base:
       _, params = checkpointing.restore_params(pinned, abstract_params=self.abstract_model_params())
+      params = self.stage_order_of(params)  # the state's adapters are in the model's order
       if self.lora.base_precision != "float32":  # stored in fewer bits (QLoRA), laid out by the same rules
         store = jax.jit(functools.partial(quantize.quantize_params, precision=self.lora.base_precision),
                         out_shardings=self.frozen_shardings[lora_lib.BASE])
@@ -208,13 +210,14 @@ class FrozenModels:
       self.frozen[lora_lib.BASE], self.lora_base = params, pinned
     return pinned
 
-  def add_frozen(self, name: str, path: str, boxed=None, shardings=None):
+  def add_frozen(self, name: str, path: str, boxed=None, shardings=None, model_config=None):
     """Restores a frozen model (a reference or a teacher: parameters only, no optimizer state) from a
     MODEL_DIR or a `checkpoints/<step>` directory onto this mesh, laid out by the same rules table.
 
     By default it is this run's model, its shapes checked first; a teacher passes its own `boxed` parameters and
     their `shardings` (its config was checked against this run's when the objective was chosen). The parameters
-    reach the objective as `frozen[name]`.
+    reach the objective as `frozen[name]`, their blocks in the order of the model that runs them (`model_config`,
+    default this run's: stage order under its interleaved pipeline).
     """
     if boxed is None:
       self.check_checkpoint_shapes(path, f"frozen model {name!r}")
@@ -222,6 +225,7 @@ class FrozenModels:
     abstract = checkpointing.abstract_with_shardings(partitioning.unbox(boxed), shardings)
     with self.context():
       _, params = checkpointing.restore_newest_params(path, abstract)
+    params = pipeline_parallel.reorder_blocks(model_config or self.model_config, params, to_stage=True, donate=True)
     self.frozen[name], self.frozen_shardings[name] = params, shardings
     return params
 

@@ -52,7 +52,10 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
                optimizer_config: optimizer_lib.OptimizerConfig,
                precision_config: Optional[precision.PrecisionConfig] = None):
     self.recipe = recipe = config.recipe_config  # the method's config (t5x_like/recipes/<TrainConfig.recipe>.py)
-    super().__init__(config, model_config, scored=recipe.scored_model)  # reward: the score head
+    # the state's blocks in stage order under an interleaved pipeline (no per-step regrouping of the weights);
+    # not with the optimizer state offloaded to the host, which a conversion on the device cannot reach
+    super().__init__(config, model_config, scored=recipe.scored_model,  # reward: the score head
+                     stage_order=not config.offload_optimizer)
     self.precision_config = precision_config or precision.PrecisionConfig()
     if config.use_lora:
       lora_lib.validate(config.lora, self.model_config)  # LoRA dropout: not with pipeline stages
@@ -179,13 +182,14 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
 
   def fresh_state(self, warm_start_path: str = "", with_optimizer: bool = False):
     """The state a fresh run starts from: initialised, or warm-started from `warm_start_path`; then the parameters
-    the recipe fills (Recipe.initial_params: PPO's value head from a reward model)."""
+    the recipe fills (Recipe.initial_params: PPO's value head from a reward model); its blocks in this model's
+    order (`stage_order_of`)."""
     if warm_start_path:
       state = self.warm_start(warm_start_path, self.abstract_with_shardings(), with_optimizer)
     else:
       state = self.init_state()
     with self.context():
-      return state.replace(params=self.recipe.initial_params(self, state.params))
+      return self.stage_order_of(state.replace(params=self.recipe.initial_params(self, state.params)))
 
   def abstract_with_shardings(self):
     """The TrainState's ShapeDtypeStructs carrying this run's shardings (restore/reshard target)."""
@@ -317,7 +321,7 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     if not base:
       raise ValueError(f"{path}: the checkpoint's metadata names no LoRA base (metadata key lora.base)")
     self.load_lora_base(base)
-    return found, adapters
+    return found, self.stage_order_of(adapters)
 
   def evaluate_checkpoint(self, step: Optional[int] = None, split: str = "validation") -> dict:
     """Restores a checkpoint onto this mesh and evaluates it on `split` of DATA_DIR.

@@ -9,7 +9,7 @@ import errno
 import os
 import signal
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 from absl import logging
 from etils import epath
@@ -228,10 +228,12 @@ class RunGuard:
       state and continue with the data after the offending batches).
     max_failed_saves: consecutive failed saves tolerated; one more stops the run.
     debug_nan_steps: tests only: steps whose batch `poison` fills with NaN loss weights.
+    restored: a restored state → the state the loop runs on (Runtime.stage_order_of: an interleaved pipeline's
+      blocks in stage order).
   """
 
   def __init__(self, manager, abstract_state, *, nonfinite_patience: int, nonfinite_action: str,
-               max_failed_saves: int, debug_nan_steps=()):
+               max_failed_saves: int, debug_nan_steps=(), restored: Callable = lambda state: state):
     if nonfinite_action not in ("stop", "rollback"):
       raise ValueError(f"FaultToleranceConfig.nonfinite_action must be 'stop' or 'rollback', got {nonfinite_action!r}")
     self.manager, self.abstract_state, self.action = manager, abstract_state, nonfinite_action
@@ -239,6 +241,7 @@ class RunGuard:
     self.nonfinite = NonFiniteMonitor(nonfinite_patience)
     self.saver = Saver(manager, max_failed_saves)
     self.rollbacks = 0
+    self.restored = restored
     self._poison = set(debug_nan_steps or ())
 
   def __enter__(self):
@@ -285,7 +288,7 @@ class RunGuard:
     if state is None:
       raise NonFiniteError("non-finite streak and no checkpoint to roll back to: stopped")
     logging.warning("rolled back to step %d (rollback %d of at most %d)", step, self.rollbacks, MAX_ROLLBACKS)
-    return int(step), state
+    return int(step), self.restored(state)
 
   def preempted(self, step: int) -> bool:
     return self.preemption.should_stop(step)

@@ -21,6 +21,7 @@ from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.model import config as config_lib
 from t5x_like.model import decoder as model_lib
 from t5x_like.model import heads
+from t5x_like.model import pipeline_parallel
 from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
@@ -78,7 +79,10 @@ class Runtime:
     model: the flax module (the decoder, or the decoder with a score head when `scored`).
   """
 
-  def __init__(self, config: TrainConfig, model_config: model_lib.GPTConfig, *, scored: bool = False):
+  def __init__(self, config: TrainConfig, model_config: model_lib.GPTConfig, *, scored: bool = False,
+               stage_order: bool = False):
+    """`stage_order`: hold the stacked blocks in stage order under an interleaved pipeline (the trainer's state;
+    GPTConfig.blocks_stage_ordered): what this runtime restores is converted on the way in (`stage_order_of`)."""
     self.config = config
     self.mixture = (mixture_lib.Mixture.create(config.data.mixture, config.data.mixture_stages)
                     if config.data.mixture or config.data.mixture_stages else None)
@@ -86,6 +90,8 @@ class Runtime:
                      input_pipeline.load_manifest(config.data_dir) if config.data_dir else None)
     self.mesh = mesh_lib.create_mesh(config.mesh_shape)
     self.model_config = resolve_model_config(model_config, self.manifest, self.mesh, config.seq_len)
+    if stage_order:
+      self.model_config = dataclasses.replace(self.model_config, blocks_in_stage_order=True)
     validate_layout(config, self.mesh, self.model_config)  # before anything compiles
     self.rules = tuple(config.axis_rules or partitioning.DEFAULT_RULES)
     self.model = heads.model_for(self.model_config, scored=scored)
@@ -116,6 +122,15 @@ class Runtime:
     """The model's parameters as ShapeDtypeStructs with this run's shardings (a restore target)."""
     return checkpointing.abstract_with_shardings(partitioning.unbox(self.boxed_params), self.model_shardings)
 
+  def stage_order_of(self, tree, donate: bool = True):
+    """`tree`'s block arrays (parameters, optimizer state, adapters) from layer order, as checkpoints hold them,
+    into this model's order (a no-op unless GPTConfig.blocks_stage_ordered); by default consuming the input."""
+    return pipeline_parallel.reorder_blocks(self.model_config, tree, to_stage=True, donate=donate)
+
+  def layer_order_of(self, tree):
+    """The inverse of `stage_order_of`, keeping the input (a checkpoint's copy of the training state)."""
+    return pipeline_parallel.reorder_blocks(self.model_config, tree, to_stage=False)
+
   def checkpoint_kind(self, step: Optional[int] = None) -> Optional[tuple]:
     """(metadata key, its entry, checkpoint path) when MODEL_DIR's checkpoint (newest, or `step`) is of a
     registered kind (READERS, e.g. a LoRA run's adapters), else None."""
@@ -138,8 +153,10 @@ class Runtime:
     kind = self.checkpoint_kind(step)
     if kind is not None:
       key, entry, path = kind
-      return READERS[key](self, step, path, entry)
-    return checkpointing.restore_newest_params(self.config.model_dir, self.abstract_model_params(), step)
+      found, params = READERS[key](self, step, path, entry)
+    else:
+      found, params = checkpointing.restore_newest_params(self.config.model_dir, self.abstract_model_params(), step)
+    return found, self.stage_order_of(params)
 
   def load_tokenizer(self, tokenizer: Optional[str] = None):
     """The tokenizer prompts are encoded with: `tokenizer` (a .model, tokenizer.json or HF folder) if given,

@@ -161,7 +161,7 @@ def initial_state(exp, manager, train_iter) -> tuple:
   origin = exp.load_frozen(saved_metadata if resumed else None, restored_step if resumed else None)
   if resumed:
     logging.info("resumed from %s at step %d", checkpoints.checkpoint_dir(config.model_dir), int(restored_step))
-    return int(restored_step), state, saved_metadata, origin
+    return int(restored_step), exp.stage_order_of(state), saved_metadata, origin  # checkpoints hold layer order
   if ckpt.warm_start_from and exp.state_holds_model_params:  # (LoRA's state holds adapters; its base is frozen)
     pinned = exp.check_checkpoint_shapes(ckpt.warm_start_from)  # before anything compiles
     state = exp.fresh_state(pinned, ckpt.warm_start_optimizer)  # a reward model's new head stays fresh
@@ -236,7 +236,7 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
   checkpoints.check_resume_metadata(saved_metadata, metadata)
   guard = fault_tolerance.RunGuard(manager, abstract, nonfinite_patience=ft.nonfinite_patience,
                                    nonfinite_action=ft.nonfinite_action, max_failed_saves=ft.max_failed_saves,
-                                   debug_nan_steps=ft.debug_nan_steps)
+                                   debug_nan_steps=ft.debug_nan_steps, restored=exp.stage_order_of)
   jitted_step = exp.jit_train_step()
   eval_fn = exp.jit_eval_step()
   meter = metrics_lib.IntervalMeter(config.batch_size * config.seq_len, jax.device_count(), flops_per_token, peak)
@@ -256,8 +256,8 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
     state, step_metrics = jitted_step(state, batch, exp.frozen)
     return state, {**step_metrics, **host}
 
-  def save(step: int, state) -> None:
-    guard.save(step, state, train_iter, {**metadata, "step": step})
+  def save(step: int, state) -> None:  # in layer order, whatever the layout (Runtime.layer_order_of)
+    guard.save(step, exp.layer_order_of(state), train_iter, {**metadata, "step": step})
 
   with contextlib.ExitStack() as stack:
     logger = stack.enter_context(contextlib.closing(metrics_lib.MetricsLogger(config.model_dir, is_primary)))
