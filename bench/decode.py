@@ -17,8 +17,6 @@ continuous batching against fixed batches.
 
 import argparse
 import os
-import platform
-import subprocess
 import tempfile
 import time
 
@@ -32,17 +30,10 @@ from t5x_like.inference.engine import Engine
 from t5x_like.inference.sampling import SamplingParams
 from t5x_like.interop import hf
 from t5x_like.model import decoder as model_lib
+from t5x_like.observe import hardware
 from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.parallel import partitioning
 from t5x_like.training import checkpointing
-
-
-def cpu_name() -> str:
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-  except (OSError, StopIteration):
-    return platform.processor() or "unknown CPU"
 
 
 def export_llama(config, params, root: str) -> str:
@@ -104,7 +95,7 @@ def main():
   mesh = mesh_lib.create_mesh({"data": 1}, devices=jax.devices()[:1])
   rules = partitioning.DEFAULT_RULES
   rng = np.random.RandomState(0)
-  print(f"CPU {cpu_name()} ({os.cpu_count()} cores); jax {jax.__version__} ({jax.devices()[0].platform}), "
+  print(f"CPU {hardware.cpu_name()} ({os.cpu_count()} cores); jax {jax.__version__} ({jax.devices()[0].platform}), "
         f"transformers {transformers.__version__} (torch {args.torch_threads} thread(s)); Llama "
         f"{model_lib.count_params(config):,} params, float32; prompt {args.prompt_len} tokens, "
         f"{args.new_tokens} new tokens, greedy")

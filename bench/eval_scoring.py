@@ -10,8 +10,6 @@ without the backward) on (--batch, width) rows of the same tokens. Best of --rou
 
 import argparse
 import os
-import platform
-import subprocess
 import time
 
 from t5x_like.parallel import distributed
@@ -26,17 +24,10 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5x_like import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5x_like.inference import scoring  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5x_like.model import decoder as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5x_like.observe import hardware  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5x_like.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5x_like.parallel import partitioning  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5x_like.training.objectives import language_model  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-
-def cpu_name() -> str:
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-  except (OSError, StopIteration):
-    return platform.processor() or "unknown CPU"
 
 
 def best(fn, rounds: int) -> float:
@@ -94,7 +85,7 @@ def main():
     run = lambda: [float(loss(params, b)) for b in batches]
     run()
     forward_s = best(run, args.rounds)
-  print(f"# {cpu_name()}, {os.cpu_count()} CPUs, jax {jax.__version__}; model {os.path.basename(args.model)} "
+  print(f"# {hardware.cpu_name()}, {os.cpu_count()} CPUs, jax {jax.__version__}; model {os.path.basename(args.model)} "
         f"(vocab {args.vocab}, float32); {args.requests} requests, {tokens} tokens, rows of {args.batch}")
   print("| what | seconds | tokens/s |\n|---|---|---|")
   print(f"| Scorer.loglikelihood (evaluate --tasks) | {score_s:.3f} | {tokens / score_s:,.0f} |")

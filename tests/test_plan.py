@@ -143,7 +143,8 @@ def test_memory_estimate_within_15_percent_of_xla(layout, batch):
 
 def test_interleaved_schedule_cuts_the_modelled_bubble_and_keeps_more_in_flight():
   """v virtual stages per device: bubble = compute × (p − 1)/(v·m); the residuals of (v·m + p − 1)/(v·m)
-  microbatch passes are kept; the weights' regrouping costs pipeline traffic that GPipe does not pay."""
+  microbatch passes are kept; its v·m + p − 1 stage-to-stage permutes cost more pipeline traffic than GPipe's
+  (the weights themselves stay put: the trainer holds them in stage order)."""
   gpipe = plan.Layout(pipeline=4, data=2, pipeline_microbatches=8)
   interleaved = dataclasses.replace(gpipe, pipeline_repeats=3)
   t1, t3 = plan.step_time(GPT2, gpipe, _target()), plan.step_time(GPT2, interleaved, _target())

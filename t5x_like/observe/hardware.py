@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import json
 import os
+import platform
 import re
 import time
 from typing import Optional
@@ -174,6 +175,16 @@ def cpu_peak_from_cpuinfo(cpuinfo: str, usable_cpus: set) -> tuple:
   if ghz is None or ext is None:
     return None, f"/proc/cpuinfo has no {'clock' if ghz is None else 'known SIMD flags'}"
   return cores * ghz * 1e9 * ext[1], f"cpuinfo:{cores} cores x {ghz:.2f} GHz x {ext[1]} FLOP/cycle ({ext[0]})"
+
+
+def cpu_name() -> str:
+  """The CPU's model name (/proc/cpuinfo), to print beside every CPU figure."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      found = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+  except OSError:
+    found = None
+  return found.group(1).strip() if found else (platform.processor() or "unknown CPU")
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,9 +8,8 @@ Step time = compute / (peak × efficiency) + pipeline bubble + communication, wi
             backward under remat) + reduce-scatter float32 gradients, ring volume (f−1)/f;
   tensor    per layer and microbatch: 2 all-reduces of the (rows, T, d_model) bfloat16 activations
             forward, 2 backward, 2 more when the forward is recomputed; plus embedding and logits;
-  pipeline  (v·m + p − 1) collective-permutes of one microbatch's activations, forward and backward; with
-            v > 1 also the regrouping of each device's block weights into its v chunks (an all-to-all of
-            (v − 1)/v of them, float32) and of their gradients, per accumulation microbatch;
+  pipeline  (v·m + p − 1) collective-permutes of one microbatch's activations, forward and backward (with
+            v > 1 the trainer holds the block weights in stage order, so none move: pipeline_parallel.py);
   sequence  per layer and microbatch: all-gather of keys and values forward, reduce-scatter of their
             gradients backward, again when remat recomputes the forward; with context_parallelism='ring' the
             keys and values go round the ring forward and backward, their float32 gradients with them (the
@@ -27,7 +26,6 @@ mesh.create_mesh lays them out), inter-host bandwidth otherwise, scaled by --com
 
 import dataclasses
 import math
-import os
 from typing import Optional
 
 from t5x_like.observe import flops
@@ -158,9 +156,6 @@ def step_time(cfg: model_lib.GPTConfig, layout: Layout, target: Target) -> StepT
   if p > 1:
     m = layout.stage_microbatches
     pipe = k * 2 * (v * m + p - 1) * (act_bytes / m) / axis_bandwidth(layout, "pipeline", target)
-    if v > 1:  # stage_params regroups the (fsdp-sharded) float32 block weights, and the gradients back
-      weights = memory_model.param_elements_per_device(cfg, layout)
-      pipe += k * 2 * 4.0 * weights * (v - 1) / v / axis_bandwidth(layout, "pipeline", target)
   return StepTime(compute=compute, bubble=bubble, fsdp=fsdp, tensor=tensor, pipeline=pipe, data=data, expert=expert,
                   sequence=sequence)
 
