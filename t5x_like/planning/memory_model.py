@@ -377,7 +377,7 @@ def compile_train_step(cfg: model_lib.GPTConfig, layout: Layout, global_batch: i
                        precision_config: Optional[precision.PrecisionConfig] = None, loss_chunk: int = 0,
                        offload_optimizer: bool = False):
   """AOT-compiles the trainer's train step (step.make_train_step + step.jit_train_step: the same
-  objective, loss options, precision, shardings, donation and optimizer offload) for abstract inputs.
+  objective, loss options, precision, shardings, donation, optimizer offload and block order) for abstract inputs.
 
   Needs `layout.num_devices` devices (on CPU: `jax_num_cpu_devices` / XLA_FLAGS set before jax starts).
   The CPU mesh stands in for the accelerators: GPTConfig.scan_unroll's auto (every layer unrolled on CPU) is
@@ -389,7 +389,8 @@ def compile_train_step(cfg: model_lib.GPTConfig, layout: Layout, global_batch: i
     raise ValueError(f"layout {layout.describe()} needs {layout.num_devices} devices, {len(devices)} available")
   mesh = mesh_lib.create_mesh(layout.mesh_shape, devices)
   cfg = layout_config(cfg, layout)
-  cfg = dataclasses.replace(cfg, scan_unroll=cfg.scan_unroll or 1)
+  # the trainer's layer stack: the interleaved pipeline's blocks in stage order, unless the optimizer is offloaded
+  cfg = dataclasses.replace(cfg, scan_unroll=cfg.scan_unroll or 1, blocks_in_stage_order=not offload_optimizer)
   cfg.validate()
   config_lib.check_layout(cfg, layout.mesh_shape, rules, batch_size=global_batch,
                           num_microbatches=layout.num_microbatches)
