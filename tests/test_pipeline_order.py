@@ -87,6 +87,7 @@ def test_checkpoints_of_the_interleaved_pipeline_resume_without_it_and_the_rever
   assert_close(params(tmp_path / "rolled_back_pipelined", 4), params(tmp_path / "rolled_back", 4))
 
 
+@pytest.mark.slow  # two runtimes' compiles and decodes (~10 s): the fast subset keeps to its 3 minutes
 def test_the_engine_decodes_a_trainers_stage_ordered_parameters_like_a_plain_runtimes(corpus, tmp_path):
   """A checkpoint restored by a trainer's runtime (Experiment) on the interleaved layout comes back in stage order
   (the blocks regrouped, everything else as saved), and so does a frozen model it loads (a DPO reference); an engine
