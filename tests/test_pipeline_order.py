@@ -67,13 +67,19 @@ def assert_close(a, b):
 
 
 @pytest.mark.slow  # four short training launches
-def test_checkpoints_of_the_interleaved_pipeline_resume_without_it_and_the_reverse(corpus, tmp_path):
-  """An interleaved run's step-2 checkpoint holds what a plain run's does (layer order: any layout reads it).
-  The reverse, with a rollback: the plain run's step 2 resumed interleaved to 4 with step 3 poisoned (rolled back
-  to checkpoint 2, so restored twice) ends where the same resume without a pipeline does."""
+def test_interleaved_checkpoints_load_without_a_pipeline_and_plain_ones_resume_interleaved(corpus, tmp_path):
+  """An interleaved run's step-2 checkpoint, restored onto a mesh without a pipeline, holds what a plain run's does
+  (layer order). The reverse, with a rollback: the plain run's step 2 resumed interleaved to 4 with step 3 poisoned
+  (rolled back to checkpoint 2, so restored twice) ends where the same resume without a pipeline does."""
   train(tmp_path / "plain", corpus, 2, PLAIN)
   train(tmp_path / "pipelined", corpus, 2, INTERLEAVED)
-  assert_close(params(tmp_path / "pipelined", 2), params(tmp_path / "plain", 2))
+  plain_model = dataclasses.replace(MODEL, pipeline_repeats=1)
+  loaded = []
+  for name in ("pipelined", "plain"):
+    runtime = runtime_lib.Runtime(run_config(tmp_path / name, corpus, 2, PLAIN), plain_model)
+    with runtime.context():
+      loaded.append(jax.tree.map(np.asarray, runtime.restore_params(2)[1]))
+  assert_close(*loaded)
   np.testing.assert_allclose(list(losses(tmp_path / "pipelined").values()), list(losses(tmp_path / "plain").values()),
                              rtol=test_parallelism.LOSS_RTOL)
   for name, mesh_shape in (("rolled_back", PLAIN), ("rolled_back_pipelined", INTERLEAVED)):
