@@ -125,13 +125,13 @@ def test_finished_means_the_final_eval_is_logged_and_a_cut_line_is_skipped(tmp_p
 
 
 def test_cli_help_and_one_line_error():
-  out = subprocess.run([sys.executable, "-m", "t5x_like.sweep", "--help"], cwd=REPO, env=env(), capture_output=True,
-                       text=True, timeout=300)
+  """`--help`, and a grid key that is no gin binding: the two launches run side by side."""
+  launches = [subprocess.Popen([sys.executable, "-m", "t5x_like.sweep", *argv], cwd=REPO, env=env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for argv in (["--help"], [*[f"--gin_file={f}" for f in FILES], "--gin.DATA_DIR='/nowhere'",
+                                        "--grid=optimizer.OptimizerConfig.lr=[1e-3]", "--output_dir=/tmp/never"])]
+  out, bad = (conftest.finished(p) for p in launches)
   assert out.returncode == 0 and "--grid" in out.stdout and "--output_dir" in out.stdout
-  bad = subprocess.run([sys.executable, "-m", "t5x_like.sweep", *[f"--gin_file={f}" for f in FILES],
-                        "--gin.DATA_DIR='/nowhere'",
-                        "--grid=optimizer.OptimizerConfig.lr=[1e-3]", "--output_dir=/tmp/never"], cwd=REPO, env=env(),
-                       capture_output=True, text=True, timeout=300)
   assert bad.returncode == 1
   assert bad.stderr.strip().splitlines() == [bad.stderr.strip().splitlines()[-1]]  # one line
   assert bad.stderr.startswith("error: --grid key optimizer.OptimizerConfig.lr is not a gin binding")
