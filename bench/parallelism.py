@@ -96,10 +96,12 @@ def synthetic_batch(batch: int, seq: int, vocab: int) -> dict:
           "weights": np.ones((batch, seq), np.float32)}
 
 
-def layout_step_seconds(mesh_shape: dict, pipeline_microbatches: int, repeats: int) -> float:
-  """Best wall time of one jitted AdamW train step (sharded state, donated) on the layout."""
+def layout_step_seconds(mesh_shape: dict, pipeline_microbatches: int, repeats: int, base=None, hlo=None) -> float:
+  """Best wall time of one jitted AdamW train step (sharded state, donated) on the layout, of `base` (default
+  LAYOUT_CFG; with blocks_in_stage_order the state is put in stage order first, as the trainer does). `hlo`: a list
+  the compiled step's HLO text is appended to."""
   mesh = mesh_lib.create_mesh(mesh_shape)
-  cfg = dataclasses.replace(LAYOUT_CFG, num_stages=mesh.shape["pipeline"],
+  cfg = dataclasses.replace(base or LAYOUT_CFG, num_stages=mesh.shape["pipeline"],
                             pipeline_microbatches=pipeline_microbatches)
   cfg.validate()
   config_lib.check_layout(cfg, mesh.shape, batch_size=LAYOUT_BATCH)
@@ -108,11 +110,15 @@ def layout_step_seconds(mesh_shape: dict, pipeline_microbatches: int, repeats: i
   tx, lr_fn = optimizer.make_optimizer(opt, 100), optimizer.learning_rate_schedule(opt, 100)
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
     state, shardings = train_state.init_state(model, tx, jax.random.key(0), mesh, RULES)
+    state = pipeline.reorder_blocks(cfg, state, to_stage=True, donate=True)  # a no-op unless stage-ordered
     batch_sharding = partitioning.batch_sharding(mesh, RULES)
     batch = {k: jax.device_put(v, batch_sharding)
              for k, v in synthetic_batch(LAYOUT_BATCH, LAYOUT_SEQ, cfg.vocab_size).items()}
     step = jax.jit(functools.partial(train_step.train_step, objective=language_model.LanguageModel(model.apply), tx=tx, lr_fn=lr_fn),
-                   in_shardings=(shardings, {k: batch_sharding for k in batch}), out_shardings=(shardings, None))
+                   in_shardings=(shardings, {k: batch_sharding for k in batch}), out_shardings=(shardings, None),
+                   donate_argnums=(0,)).lower(state, batch).compile()
+    if hlo is not None:
+      hlo.append(step.as_text())
     holder = [state]
 
     def run():

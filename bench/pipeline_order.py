@@ -18,25 +18,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import parallelism as bench_parallelism  # sets the 8-device XLA flag before jax starts
 
 import dataclasses  # pylint: disable=g-import-not-at-top,g-bad-import-order
-import functools
 
-import flax.linen as nn
-import jax
 import numpy as np
 
-from t5x_like.model import decoder as model_lib
-from t5x_like.model import pipeline_parallel
 from t5x_like.observe import hardware
-from t5x_like.parallel import mesh as mesh_lib
-from t5x_like.parallel import partitioning
-from t5x_like.training import optimizer
-from t5x_like.training import step as train_step
-from t5x_like.training import train_state
-from t5x_like.training.objectives import language_model
 
-RULES = partitioning.DEFAULT_RULES
 CFG = dataclasses.replace(bench_parallelism.LAYOUT_CFG, num_layers=8, pipeline_repeats=2)
-BATCH, SEQ = bench_parallelism.LAYOUT_BATCH, bench_parallelism.LAYOUT_SEQ
 LAYOUTS = (
     ("pipeline 2 × data 2 × tensor 2, v = 2, m = 4", {"pipeline": 2, "data": 2, "tensor": 2}, 4),
     ("pipeline 4 × fsdp 2, v = 2, m = 8", {"pipeline": 4, "fsdp": 2}, 8),
@@ -59,31 +46,10 @@ def all_to_all_bytes(hlo: str) -> tuple:
 
 def step_of(mesh_shape: dict, microbatches: int, stage_order: bool, repeats: int) -> tuple:
   """(all-to-alls, their bytes, best step seconds) of the layout's AdamW step."""
-  mesh = mesh_lib.create_mesh(mesh_shape)
-  cfg = dataclasses.replace(CFG, num_stages=mesh.shape["pipeline"], pipeline_microbatches=microbatches,
-                            blocks_in_stage_order=stage_order)
-  cfg.validate()
-  model = model_lib.GPT(cfg)
-  opt = optimizer.OptimizerConfig(warmup_steps=1)
-  tx, lr_fn = optimizer.make_optimizer(opt, 100), optimizer.learning_rate_schedule(opt, 100)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-    state, shardings = train_state.init_state(model, tx, jax.random.key(0), mesh, RULES)
-    state = pipeline_parallel.reorder_blocks(cfg, state, to_stage=True, donate=True)
-    batch_sharding = partitioning.batch_sharding(mesh, RULES)
-    batch = {k: jax.device_put(v, batch_sharding)
-             for k, v in bench_parallelism.synthetic_batch(BATCH, SEQ, cfg.vocab_size).items()}
-    step = jax.jit(functools.partial(train_step.train_step, objective=language_model.LanguageModel(model.apply),
-                                     tx=tx, lr_fn=lr_fn),
-                   in_shardings=(shardings, {k: batch_sharding for k in batch}), out_shardings=(shardings, None),
-                   donate_argnums=(0,)).lower(state, batch).compile()
-    count, nbytes = all_to_all_bytes(step.as_text())
-    holder = [state]
-
-    def run():
-      holder[0], metrics = step(holder[0], batch)
-      return metrics["loss"]
-
-    return count, nbytes, bench_parallelism.best_time(run, repeats=repeats)
+  hlo = []
+  seconds = bench_parallelism.layout_step_seconds(mesh_shape, microbatches, repeats, hlo=hlo,
+                                                  base=dataclasses.replace(CFG, blocks_in_stage_order=stage_order))
+  return (*all_to_all_bytes(hlo[0]), seconds)
 
 
 def main():
@@ -91,7 +57,7 @@ def main():
   parser.add_argument("--repeats", type=int, default=10)
   args = parser.parse_args()
   print(f"{hardware.cpu_name()}, {os.cpu_count()} cores; {CFG.num_layers} layers, d_model {CFG.d_model}, "
-        f"{BATCH} × {SEQ} tokens, float32; best of {args.repeats} steps")
+        f"{bench_parallelism.LAYOUT_BATCH} × {bench_parallelism.LAYOUT_SEQ} tokens, float32; best of {args.repeats} steps")
   print("| layout | weights | all-to-alls per step | their bytes per device | step (ms) |")
   print("|---|---|---:|---:|---:|")
   for name, mesh_shape, microbatches in LAYOUTS:

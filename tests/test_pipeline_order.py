@@ -61,6 +61,7 @@ def params(model_dir, step: int):
 
 
 def assert_close(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
     np.testing.assert_allclose(x, y, atol=test_parallelism.PARAM_ATOL, rtol=test_parallelism.PARAM_RTOL,
                                err_msg=jax.tree_util.keystr(path))

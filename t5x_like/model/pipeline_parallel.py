@@ -92,18 +92,21 @@ def _reorder(config: GPTConfig, to_stage: bool, path, w):
   return _regroup(v, p, w) if to_stage else _regroup(p, v, w)
 
 
+def _reorder_tree(config: GPTConfig, to_stage: bool, tree):
+  return jax.tree_util.tree_map_with_path(
+      lambda path, w: _reorder(config, to_stage, path, w) if _in_blocks(path) else w, tree)
+
+
 def to_stage_order(config: GPTConfig, tree):
   """Every array under a `blocks` key of `tree` (parameters, optimizer state, LoRA adapters), layer order → stage
   order: row s·(V·C) + r·C + c holds layer row (r·P + s)·C + c (C = U/(P·V)), so the contiguous split of LAYERS over
   `pipeline` puts chunk r·P + s on device s. Traceable; other leaves pass through."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, w: _reorder(config, True, path, w) if _in_blocks(path) else w, tree)
+  return _reorder_tree(config, True, tree)
 
 
 def to_layer_order(config: GPTConfig, tree):
   """The inverse of `to_stage_order`."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, w: _reorder(config, False, path, w) if _in_blocks(path) else w, tree)
+  return _reorder_tree(config, False, tree)
 
 
 _REORDERS = {}
@@ -116,19 +119,16 @@ def reorder_blocks(config: GPTConfig, tree, *, to_stage: bool, donate: bool = Fa
   if not config.blocks_stage_ordered:
     return tree
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  picked = [i for i, (path, _) in enumerate(flat) if _in_blocks(path)]
+  picked = [(path, leaf) for path, leaf in flat if _in_blocks(path)]  # only these move, so only these are donated
   if not picked:
     return tree
-  paths, arrays = [flat[i][0] for i in picked], [flat[i][1] for i in picked]
-  shardings = tuple(a.sharding for a in arrays)
-  key = (config, to_stage, donate, tuple(paths), shardings)
+  paths, shardings = tuple(path for path, _ in picked), tuple(leaf.sharding for _, leaf in picked)
+  key = (config, to_stage, donate, paths, shardings)
   if key not in _REORDERS:
     _REORDERS[key] = jax.jit(lambda xs: [_reorder(config, to_stage, path, x) for path, x in zip(paths, xs)],
                              out_shardings=list(shardings), donate_argnums=(0,) if donate else ())
-  leaves = [leaf for _, leaf in flat]
-  for i, out in zip(picked, _REORDERS[key](arrays)):
-    leaves[i] = out
-  return jax.tree_util.tree_unflatten(treedef, leaves)
+  moved = dict(zip(paths, _REORDERS[key]([leaf for _, leaf in picked])))
+  return jax.tree_util.tree_unflatten(treedef, [moved.get(path, leaf) for path, leaf in flat])
 
 
 def _stage_axis_name():

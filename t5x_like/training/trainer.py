@@ -53,13 +53,13 @@ def experiment_builder() -> Callable:
 class StepGate:
   """Whether the loop dispatches a step before the last one has finished (`ahead`: TrainConfig.dispatch_ahead; None =
   the backend's default, not on CPU), and one step in flight when not: `wait()` before dispatching a step,
-  `dispatched(metrics)` after. XLA:CPU mallocs a step's temporaries (1.7 GiB for gpt_25m float32 at 16 × 256) when it starts and frees
-  them on its own thread 0.1–6 ms after the outputs are ready; a step started in that gap, or dispatched ahead,
-  holds a second set, and a host allocator that keeps freed pages (jemalloc's settings here) keeps both for good.
-  So `wait()` blocks on the last step's metrics, then gives the runtime the smaller of WAIT_SECONDS and
-  WAIT_FRACTION of the last step's time. gpt_25m (jemalloc, pages kept): 5.1 GiB resident dispatching ahead or
-  waiting for the outputs alone, 3.4 GiB with the pause, at the same speed (docs/performance.md). The host's share
-  of the next step (its batch) is prepared before `wait()`, while the last step runs."""
+  `dispatched(metrics)` after. XLA:CPU mallocs a step's temporaries (1.7 GiB for gpt_25m float32 at 16 × 256) when it
+  starts and frees them on its own thread 0.1–6 ms after the outputs are ready; a step started in that gap, or
+  dispatched ahead, holds a second set, and a host allocator that keeps freed pages (jemalloc's settings here) keeps
+  both for good. So `wait()` blocks on the last step's metrics, then gives the runtime the smaller of WAIT_SECONDS and
+  WAIT_FRACTION of the last step's time. gpt_25m (jemalloc, pages kept): 5.1 GiB resident dispatching ahead or waiting
+  for the outputs alone, 3.4 GiB with the pause, at the same speed (docs/performance.md). The host's share of the next
+  step (its batch) is prepared before `wait()`, while the last step runs."""
   WAIT_SECONDS = 0.01
   WAIT_FRACTION = 0.01
 
