@@ -6,6 +6,16 @@ Markers and options live in pytest.ini at the repository root.
 import os
 import tempfile
 
+# One persistent JAX compilation cache for the test run and every process it launches (CLI runs, the
+# two-process tests): a program compiled once is loaded, not recompiled, by the next launch of the same config,
+# the next test that builds the same step, and the next run of the suite. Set before jax is imported: jax reads
+# these variables once, at import (set after it, the test processes ran without the cache, and cached only
+# programs that took over a second to compile).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "t5x_like_test_jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 from t5x_like.parallel import distributed  # pylint: disable=g-import-not-at-top  (imports jax; no backend starts)
 
 # Tests compile many tiny programs: XLA:CPU's compile time, not their run time, is what a test run waits
@@ -25,12 +35,6 @@ def xla_flags(devices: int = 8, fast_compile: bool = True) -> str:
 
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent JAX compilation cache for the test run and every process it launches (CLI runs, the
-# two-process tests): a step compiled once is loaded, not recompiled, by the next launch of the same config.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "t5x_like_test_jax_cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # pylint: disable=g-import-not-at-top
 
