@@ -83,3 +83,13 @@ def test_unknown_marker_is_an_error_and_slow_is_registered(tmp_path):
   code, out = run_pytest(tmp_path, {"test_marked.py": marked})
   assert code != 0 and "'sloww' not found in `markers` configuration option" in out, out
   assert "'slow' not found" not in out
+
+
+def test_the_test_processes_use_the_persistent_compilation_cache():
+  """tests/conftest.py's JAX variables reach jax itself (jax reads them once, at import: set after it, the test
+  processes ran with no persistent cache and cached only compiles over a second)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  assert jax.config.jax_compilation_cache_dir == os.environ["JAX_COMPILATION_CACHE_DIR"]
+  assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+  assert jax.config.jax_persistent_cache_min_entry_size_bytes == 0
+  assert jax.config.jax_platforms == os.environ["JAX_PLATFORMS"]
