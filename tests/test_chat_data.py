@@ -345,3 +345,35 @@ def test_template_marker_error_through_preprocess_names_the_data_dir_tokenizer(c
   assert str(e.value) == ("chat template marker '<|eot|>' (ChatTemplate.end) is not a single token of the "
                           f"tokenizer '{out}/tokenizer.model' (nor text that starts with one of its special tokens): "
                           "use a tokenizer that reserves it, or bind data.ChatTemplate.end")
+
+
+def test_the_input_pipelines_functions_are_traced_without_autograph(chat_dir, corpus, tmp_path):
+  """tf.data runs AutoGraph over every function it is given unless told not to (input_pipeline.graph_fn): building
+  and reading the text, chat, shuffled, padded-evaluation, mixed and two-stream pipelines converts none. The same
+  count sees a plain `map` converted, so the check cannot pass for want of a detector."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  from unittest import mock  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.autograph.impl import api  # pylint: disable=g-import-not-at-top  (TF internals: AutoGraph's converter)
+  from t5x_like.data import mixture  # pylint: disable=g-import-not-at-top
+  from t5x_like.parallel import global_batch  # pylint: disable=g-import-not-at-top
+
+  def conversions(build) -> int:
+    with mock.patch.object(api, "_convert_actual", wraps=api._convert_actual) as convert:  # pylint: disable=protected-access
+      next(iter(build()))
+    return convert.call_count
+
+  assert conversions(lambda: tf.data.Dataset.range(3).map(lambda x: x + 1)) > 0
+  for split, shuffle, repeat in (("train", True, True), ("validation", False, False)):
+    for data_dir in (chat_dir[0], corpus):
+      assert conversions(lambda: ip.make_dataset(data_dir, split, batch_size=4, seq_len=SEQ, shuffle=shuffle,
+                                                 repeat=repeat, **ONE)) == 0, (data_dir, split)
+  copy = str(tmp_path / "copy")
+  shutil.copytree(corpus, copy)
+  mixed = mixture.Mixture.create({corpus: 1.0, copy: 1.0})
+  assert conversions(lambda: mixed.make_dataset("train", batch_size=4, seq_len=SEQ)) == 0
+  streams = lambda stream_index, num_streams, batch_size: ip.make_dataset(
+      corpus, "train", batch_size=batch_size, seq_len=SEQ, process_index=stream_index, process_count=num_streams)
+  for num_streams, process_index, process_count in ((2, 0, 1), (1, 1, 2)):  # two streams zipped; a process's rows
+    assert conversions(lambda: global_batch.process_rows(streams, num_streams=num_streams, global_batch_size=4,
+                                                         process_index=process_index,
+                                                         process_count=process_count)) == 0

@@ -27,6 +27,14 @@ log = logging.getLogger(__name__)
 _PREPROCESS_HINT = "run python -m t5x_like.preprocess --input=GLOB --output_dir={d}"
 
 
+def graph_fn(fn):
+  """`fn` for a tf.data transformation (map, filter, scan, interleave), traced as written: tf.data otherwise runs
+  AutoGraph over every function it is given, which re-writes its source (about 2 s of a `train` launch's start-up
+  for the ~20 functions of one input pipeline). Every function given to tf.data here is plain graph code (no
+  Python `if` / `for` on a tensor: one would fail when the dataset is built)."""
+  return tf.autograph.experimental.do_not_convert(fn)
+
+
 def _join(data_dir: str, rel: str) -> str:
   return f"{data_dir.rstrip('/')}/{rel}"
 
@@ -120,7 +128,7 @@ def _read_shard(path, expected, *, records_per_read, record_shard, on_corrupt):
   ds = tf.data.TFRecordDataset(path).ignore_errors()
   if record_shard is not None:
     ds = ds.shard(*record_shard)
-  body = ds.batch(records_per_read).map(lambda b: (b, False))
+  body = ds.batch(records_per_read).map(graph_fn(lambda b: (b, False)))
   end = tf.data.Dataset.from_tensors((tf.zeros([0], tf.string), True))
 
   def check(count, element):
@@ -137,8 +145,8 @@ def _read_shard(path, expected, *, records_per_read, record_shard, on_corrupt):
     with tf.control_dependencies([op]):
       return count, tf.identity(batch)
 
-  return (body.concatenate(end).scan(tf.constant(0, tf.int64), check)
-          .filter(lambda b: tf.size(b) > 0))
+  return (body.concatenate(end).scan(tf.constant(0, tf.int64), graph_fn(check))
+          .filter(graph_fn(lambda b: tf.size(b) > 0)))
 
 
 def _warn(msg):
@@ -177,12 +185,13 @@ def _pack_documents(docs: tf.data.Dataset, *, length: int, pad_id: int, flush: b
   A document longer than `length` is cut to it. `flush`: also emit the last, partly filled row (a
   finite dataset).
   """
-  docs = docs.map(functools.partial(_cut, length=length))
+  docs = docs.map(graph_fn(functools.partial(_cut, length=length)))
   if flush:  # a full-length document forces out the row before it and is itself never emitted
     docs = docs.concatenate(tf.data.Dataset.from_tensors(
         (tf.fill([length], pad_id), tf.zeros([length], tf.int32))))
   initial, step = packing.pack_documents_step(length, pad_id)
-  return docs.scan(initial, step).filter(_is_finished).map(_finished_row)
+  return (docs.scan(initial, graph_fn(step)).filter(graph_fn(_is_finished))
+          .map(graph_fn(_finished_row)))
 
 
 def _is_finished(row, finished):
@@ -319,11 +328,11 @@ def make_dataset(data_dir: str, split: str, *, batch_size: int, seq_len: int, se
   if ordered:  # one record of each shard in turn: the order the writer dealt them in
     log.info("DATA_DIR '%s' split '%s' is ordered by %s: read in that order (local shuffle window: %d rows)",
              data_dir, split, manifest["order"].get("by"), order_window if shuffle else 0)
-    ds = files.interleave(lambda path, n: read(path, n).unbatch(), cycle_length=len(shards), block_length=1,
-                          num_parallel_calls=num_parallel_reads, deterministic=True)
+    ds = files.interleave(graph_fn(lambda path, n: read(path, n).unbatch()), cycle_length=len(shards),
+                          block_length=1, num_parallel_calls=num_parallel_reads, deterministic=True)
     ds = ds.batch(records_per_read)
   else:
-    ds = files.interleave(read, cycle_length=cycle_length or min(len(shards), 8), block_length=1,
+    ds = files.interleave(graph_fn(read), cycle_length=cycle_length or min(len(shards), 8), block_length=1,
                           num_parallel_calls=num_parallel_reads, deterministic=True)
   packed = manifest.get("packed_length")
   chat = manifest.get("format", "text") in WEIGHTED
@@ -332,7 +341,7 @@ def make_dataset(data_dir: str, split: str, *, batch_size: int, seq_len: int, se
   if packed == length:  # pre-packed rows with their segment ids and positions: no repacking
     parse = functools.partial(packing.parse_packed, length=length, dtype=manifest["packed_dtype"],
                               channels=4 if chat else 3)
-    ds = ds.map(parse, num_parallel_calls=AUTOTUNE, deterministic=True)
+    ds = ds.map(graph_fn(parse), num_parallel_calls=AUTOTUNE, deterministic=True)
     if window:
       ds = ds.rebatch(block, drop_remainder=False)
   elif chat and packed:
@@ -345,7 +354,7 @@ def make_dataset(data_dir: str, split: str, *, batch_size: int, seq_len: int, se
       log.warning("DATA_DIR '%s' split '%s' has conversations of up to %d tokens: those longer than "
                   "seq_len + 1 = %d are cut to it (preprocess --max_tokens drops or cuts them at a turn "
                   "boundary instead)", data_dir, split, longest, length)
-    ds = ds.map(_parse_chat, num_parallel_calls=AUTOTUNE, deterministic=True).unbatch()
+    ds = ds.map(graph_fn(_parse_chat), num_parallel_calls=AUTOTUNE, deterministic=True).unbatch()
     ds = _pack_documents(ds, length=length, pad_id=pad_id, flush=not repeat)
     ds = ds.batch(block, drop_remainder=False)
   else:
@@ -354,17 +363,17 @@ def make_dataset(data_dir: str, split: str, *, batch_size: int, seq_len: int, se
                                 pad_id=pad_id)
     else:
       parse = _parse_flat
-    ds = ds.map(parse, num_parallel_calls=AUTOTUNE, deterministic=True)
+    ds = ds.map(graph_fn(parse), num_parallel_calls=AUTOTUNE, deterministic=True)
     ds = ds.rebatch(block * length, drop_remainder=repeat)
-    ds = ds.map(functools.partial(_to_rows, length=length, pad_id=pad_id, eos_id=eos_id),
+    ds = ds.map(graph_fn(functools.partial(_to_rows, length=length, pad_id=pad_id, eos_id=eos_id)),
                 num_parallel_calls=AUTOTUNE, deterministic=True)
   if window:
-    ds = ds.enumerate().map(functools.partial(_permute, seed=local_seed),
+    ds = ds.enumerate().map(graph_fn(functools.partial(_permute, seed=local_seed)),
                             num_parallel_calls=AUTOTUNE, deterministic=True)
   ds = ds.rebatch(batch_size, drop_remainder=repeat)
   if not repeat:
-    ds = ds.map(lambda rows: _pad_to(rows, batch_size, 0))
-  ds = ds.map(packing.row_features, num_parallel_calls=AUTOTUNE, deterministic=True)
+    ds = ds.map(graph_fn(lambda rows: _pad_to(rows, batch_size, 0)))
+  ds = ds.map(graph_fn(packing.row_features), num_parallel_calls=AUTOTUNE, deterministic=True)
   options = tf.data.Options()
   options.deterministic = True
   return ds.with_options(options).prefetch(prefetch)

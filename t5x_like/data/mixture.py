@@ -136,9 +136,10 @@ class Mixture:
       ds = input_pipeline.make_dataset(path, split, batch_size=batch_size, seq_len=seq_len, seed=seed * 1009 + i,
                                        shuffle=shuffle, repeat=True, process_index=process_index,
                                        process_count=process_count, **kwargs).unbatch()
-      sources.append(ds.map(lambda row, i=i: {**row, SOURCE: tf.fill(tf.shape(row["inputs"]), i)}))
-    choice = tf.data.Dataset.counter().map(
-        lambda block: self._block_sources(block, batch_size=batch_size, seed=seed, stream=process_index)).unbatch()
+      sources.append(ds.map(input_pipeline.graph_fn(
+          lambda row, i=i: {**row, SOURCE: tf.fill(tf.shape(row["inputs"]), i)})))
+    choice = tf.data.Dataset.counter().map(input_pipeline.graph_fn(
+        lambda block: self._block_sources(block, batch_size=batch_size, seed=seed, stream=process_index))).unbatch()
     mixed = tf.data.Dataset.choose_from_datasets(sources, choice, stop_on_empty_dataset=True)
     return mixed.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 

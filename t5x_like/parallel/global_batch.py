@@ -6,6 +6,9 @@ import jax
 import numpy as np
 import tensorflow as tf
 
+# tf.data functions traced as written, without AutoGraph's rewrite (data/input_pipeline.graph_fn says why)
+_graph_fn = tf.autograph.experimental.do_not_convert
+
 
 def to_global(local_batch: Mapping[str, np.ndarray], sharding: jax.sharding.NamedSharding) -> dict:
   """Assembles per-process rows into global arrays; rows are stacked in process order.
@@ -50,9 +53,9 @@ def process_rows(make_stream: Callable[..., "tf.data.Dataset"], *, num_streams: 
   first, last = lo // per_stream, (hi - 1) // per_stream  # the streams holding rows lo..hi-1
   streams = [make_stream(stream_index=s, num_streams=num_streams, batch_size=per_stream)
              for s in range(first, last + 1)]
-  ds = streams[0] if len(streams) == 1 else tf.data.Dataset.zip(tuple(streams)).map(
-      lambda *parts: {key: tf.concat([part[key] for part in parts], axis=0) for key in parts[0]})
+  ds = streams[0] if len(streams) == 1 else tf.data.Dataset.zip(tuple(streams)).map(_graph_fn(
+      lambda *parts: {key: tf.concat([part[key] for part in parts], axis=0) for key in parts[0]}))
   start, stop = lo - first * per_stream, hi - first * per_stream
   if (start, stop) == (0, per_stream * len(streams)):
     return ds
-  return ds.map(lambda batch: {key: value[start:stop] for key, value in batch.items()})
+  return ds.map(_graph_fn(lambda batch: {key: value[start:stop] for key, value in batch.items()}))
