@@ -244,3 +244,25 @@ def test_cli_list_inspect_digest_and_errors(tmp_path, capsys, monkeypatch):
                                      ["checkpoints", "digest", str(tmp_path), "--step", "5"]) == 1
   assert capsys.readouterr().err.strip().splitlines()[-1] == (
       f"error: no committed checkpoint step 5 in {tmp_path}/checkpoints (steps: [4])")
+
+
+def test_one_process_saves_replicated_arrays_without_slicing_them_per_replica(tmp_path):
+  """In one process every replica of a replicated array is local: the save copies each array once, compiling no
+  program (orbax's replica-parallel default would slice every replica's copy, one compiled slice program per array
+  shape and device). A fresh shape whose 24 rows split over the 8 replicas, as orbax's slicing needs, that no
+  earlier save in this process compiled slices of."""
+  import jax.monitoring  # pylint: disable=g-import-not-at-top
+  mesh = mesh_lib.create_mesh(DATA8)
+  state = {"w": jax.device_put(np.arange(72, dtype=np.float32).reshape(24, 3),
+                               jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))}
+  lowered, listening = [], [True]  # jax keeps the listener: it records only during the save
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, duration, **kw: lowered.append(event) if listening[0] and event.endswith(
+          "jaxpr_to_mlir_module_duration") else None)
+  manager = checkpoints.make_manager(str(tmp_path), async_save=False)
+  assert checkpoints.save(manager, 1, state)
+  manager.wait_until_finished()
+  listening[0] = False
+  assert not lowered
+  abstract = checkpoints.abstract_with_shardings(jax.eval_shape(lambda: state), {"w": state["w"].sharding})
+  assert_trees_equal(checkpoints.restore_latest(checkpoints.make_manager(str(tmp_path)), abstract)[1], state)

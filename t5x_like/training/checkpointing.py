@@ -96,6 +96,15 @@ def checkpoint_dir(model_dir: str) -> str:
   return os.path.join(model_dir, "checkpoints")
 
 
+@functools.lru_cache(maxsize=None)
+def _use_replica_parallel(parallel: bool) -> None:
+  """orbax saves a replicated array replica-parallel by default: each replica copies a slice of it to its host. In
+  one process every replica is local, so that buys no parallel writes and costs a compiled slice program per array
+  shape and device (36 in a 2-layer gpt_tiny run on 4 devices: a third of its compiles) and a copy per slice."""
+  ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=parallel),
+                                          override=True)
+
+
 def make_manager(model_dir: str, max_to_keep: Optional[int] = 3, keep_period: Optional[int] = None,
                  async_save: bool = True) -> ocp.CheckpointManager:
   """A manager that keeps the last `max_to_keep` steps plus every `keep_period`-th.
@@ -103,6 +112,7 @@ def make_manager(model_dir: str, max_to_keep: Optional[int] = 3, keep_period: Op
   orbax deletes old steps only after the newer one is committed, and leftovers of a killed or failed
   save (`<step>.orbax-checkpoint-tmp*`) are removed when the manager opens.
   """
+  _use_replica_parallel(jax.process_count() > 1)
   options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, keep_period=keep_period or None,
                                          create=True, enable_async_checkpointing=async_save,
                                          cleanup_tmp_directories=True)
