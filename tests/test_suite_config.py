@@ -1,11 +1,9 @@
 """The suite's own configuration: pytest.ini's strict markers and -ra, and tests/conftest.py turning an
-unexpected skip into a failure under CI (allowed reasons stay skips). Each case runs pytest in a subprocess
-on a few throwaway tests with the repository's pytest.ini and conftest.py."""
+unexpected skip into a failure under CI (allowed reasons stay skips). Each case runs pytest (in this process,
+through pytester) on a few throwaway tests with the repository's pytest.ini and conftest.py."""
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -33,29 +31,34 @@ def test_expected_failure():
 '''
 
 
-def run_pytest(tmp_path, files: dict, ci=None):
-  for name, text in files.items():
-    (tmp_path / name).write_text(text)
-  shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path / "conftest.py")
-  env = {k: v for k, v in os.environ.items() if k != "CI"}
-  if ci is not None:
-    env["CI"] = ci
-  proc = subprocess.run([sys.executable, "-m", "pytest", "-c", os.path.join(ROOT, "pytest.ini"),
-                         "--rootdir", str(tmp_path), "-p", "no:cacheprovider", "-n", "0", str(tmp_path)],
-                        capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
-  return proc.returncode, proc.stdout + proc.stderr
+@pytest.fixture
+def run_pytest(pytester, monkeypatch):
+  """pytest on `files` with the repository's pytest.ini and a copy of tests/conftest.py, run inside this process
+  (pytester: its own session, its modules unloaded after): (exit code, output). CI is unset unless `ci` is given."""
+  def run(files: dict, ci=None):
+    for name, text in files.items():
+      (pytester.path / name).write_text(text)
+    shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), pytester.path / "conftest.py")
+    monkeypatch.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"])  # restored after: the copy appends the test flags
+    monkeypatch.delenv("CI", raising=False)
+    if ci is not None:
+      monkeypatch.setenv("CI", ci)
+    result = pytester.runpytest_inprocess("-c", os.path.join(ROOT, "pytest.ini"), "--rootdir", str(pytester.path),
+                                          "-p", "no:cacheprovider", "-n", "0", str(pytester.path))
+    return int(result.ret), "\n".join(result.outlines + result.errlines)
+  return run
 
 
-def test_skips_are_listed_and_pass_outside_ci(tmp_path):
-  code, out = run_pytest(tmp_path, {"test_skips.py": SKIPS})
+def test_skips_are_listed_and_pass_outside_ci(run_pytest):
+  code, out = run_pytest({"test_skips.py": SKIPS})
   assert code == 0, out
   assert "1 passed, 3 skipped, 1 xfailed" in out
   assert "SKIPPED [1] test_skips.py:8: something is missing" in out  # -ra lists each skip with its reason
 
 
 @pytest.mark.parametrize("ci", ["true", "1"])
-def test_unexpected_skips_fail_under_ci_and_allowed_ones_stay_skips(tmp_path, ci):
-  code, out = run_pytest(tmp_path, {"test_skips.py": SKIPS}, ci=ci)
+def test_unexpected_skips_fail_under_ci_and_allowed_ones_stay_skips(run_pytest, ci):
+  code, out = run_pytest({"test_skips.py": SKIPS}, ci=ci)
   assert code == 1, out
   assert "1 failed, 1 passed, 1 skipped, 1 xfailed, 1 error" in out  # a skip marker fails at set-up: an error
   assert f"FAILED test_skips.py::test_unexpected_skip - unexpected skip under CI='{ci}': 'something is missing'" in out
@@ -63,24 +66,24 @@ def test_unexpected_skips_fail_under_ci_and_allowed_ones_stay_skips(tmp_path, ci
   assert "SKIPPED [1] test_skips.py:15: cannot mount a small tmpfs here" in out
 
 
-def test_ci_false_does_not_fail_skips(tmp_path):
-  code, out = run_pytest(tmp_path, {"test_skips.py": SKIPS}, ci="false")
+def test_ci_false_does_not_fail_skips(run_pytest):
+  code, out = run_pytest({"test_skips.py": SKIPS}, ci="false")
   assert code == 0 and "3 skipped" in out, out
 
 
-def test_a_module_skipped_at_import_fails_under_ci(tmp_path):
+def test_a_module_skipped_at_import_fails_under_ci(run_pytest):
   files = {"test_missing.py": 'import pytest\npytest.importorskip("no_such_module_here")\n',
            "test_present.py": "def test_x():\n  pass\n"}
-  code, out = run_pytest(tmp_path, files, ci="true")
+  code, out = run_pytest(files, ci="true")
   assert code == 2 and "Interrupted: 1 error during collection" in out, out  # the session stops there
   assert "ERROR test_missing.py - unexpected skip under CI='true': \"could not import 'no_such_module_here'" in out
-  code, out = run_pytest(tmp_path, files)
+  code, out = run_pytest(files)
   assert code == 0 and "1 passed, 1 skipped" in out, out
 
 
-def test_unknown_marker_is_an_error_and_slow_is_registered(tmp_path):
+def test_unknown_marker_is_an_error_and_slow_is_registered(run_pytest):
   marked = 'import pytest\n\n@pytest.mark.slow\ndef test_a():\n  pass\n\n@pytest.mark.sloww\ndef test_b():\n  pass\n'
-  code, out = run_pytest(tmp_path, {"test_marked.py": marked})
+  code, out = run_pytest({"test_marked.py": marked})
   assert code != 0 and "'sloww' not found in `markers` configuration option" in out, out
   assert "'slow' not found" not in out
 
