@@ -29,8 +29,8 @@ _PREPROCESS_HINT = "run python -m t5x_like.preprocess --input=GLOB --output_dir=
 
 def graph_fn(fn):
   """`fn` for a tf.data transformation (map, filter, scan, interleave), traced as written: tf.data otherwise runs
-  AutoGraph over every function it is given, which re-writes its source (about 2 s of a `train` launch's start-up
-  for the ~20 functions of one input pipeline). Every function given to tf.data here is plain graph code (no
+  AutoGraph over every function it is given, which re-writes its source (about 1 s of CPU in a `train` launch's
+  start-up for the ~20 functions of one input pipeline). Every function given to tf.data here is plain graph code (no
   Python `if` / `for` on a tensor: one would fail when the dataset is built)."""
   return tf.autograph.experimental.do_not_convert(fn)
 

@@ -100,9 +100,14 @@ def checkpoint_dir(model_dir: str) -> str:
 def _use_replica_parallel(parallel: bool) -> None:
   """orbax saves a replicated array replica-parallel by default: each replica copies a slice of it to its host. In
   one process every replica is local, so that buys no parallel writes and costs a compiled slice program per array
-  shape and device (36 in a 2-layer gpt_tiny run on 4 devices: a third of its compiles) and a copy per slice."""
-  ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=parallel),
-                                          override=True)
+  shape and device (40 of the 45 XLA programs of bench/startup.py's run on 4 devices) and a copy per slice."""
+  verbosity = logging.get_verbosity()
+  logging.set_verbosity(logging.ERROR)  # orbax warns on every override of a registered handler
+  try:
+    ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=parallel),
+                                            override=True)
+  finally:
+    logging.set_verbosity(verbosity)
 
 
 def make_manager(model_dir: str, max_to_keep: Optional[int] = 3, keep_period: Optional[int] = None,
