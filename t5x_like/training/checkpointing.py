@@ -101,13 +101,14 @@ def _use_replica_parallel(parallel: bool) -> None:
   """orbax saves a replicated array replica-parallel by default: each replica copies a slice of it to its host. In
   one process every replica is local, so that buys no parallel writes and costs a compiled slice program per array
   shape and device (40 of the 45 XLA programs of bench/startup.py's run on 4 devices) and a copy per slice."""
-  verbosity = logging.get_verbosity()
-  logging.set_verbosity(logging.ERROR)  # orbax warns on every override of a registered handler
+  absl_logger = logging.get_absl_logger()  # orbax warns on every override of a registered handler
+  level = absl_logger.level  # its own level (often NOTSET), restored as it was
+  absl_logger.setLevel(logging.converter.STANDARD_ERROR)
   try:
     ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=parallel),
                                             override=True)
   finally:
-    logging.set_verbosity(verbosity)
+    absl_logger.setLevel(level)
 
 
 def make_manager(model_dir: str, max_to_keep: Optional[int] = 3, keep_period: Optional[int] = None,
