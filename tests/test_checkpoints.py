@@ -255,18 +255,20 @@ def test_one_process_saves_replicated_arrays_without_slicing_them_per_replica(tm
   mesh = mesh_lib.create_mesh(DATA8)
   state = {"w": jax.device_put(np.arange(72, dtype=np.float32).reshape(24, 3),
                                jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))}
-  lowered, listening = [], [True]  # jax keeps the listener: it records only during the save
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda event, duration, **kw: lowered.append(event) if listening[0] and event.endswith(
-          "jaxpr_to_mlir_module_duration") else None)
+  lowered = []
+  listener = lambda event, duration, **kw: lowered.append(event) if event.endswith(
+      "jaxpr_to_mlir_module_duration") else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   level = absl_logging.get_absl_logger().level
   checkpoints._use_replica_parallel.cache_clear()  # pylint: disable=protected-access  (registers again below)
-  manager = checkpoints.make_manager(str(tmp_path), async_save=False)
-  assert absl_logging.get_absl_logger().level == level  # quieting orbax's override warning changed no log level
-  assert checkpoints.save(manager, 1, state)
-  manager.wait_until_finished()
-  listening[0] = False
+  try:
+    manager = checkpoints.make_manager(str(tmp_path), async_save=False)
+    assert absl_logging.get_absl_logger().level == level  # quieting orbax's override warning changed no log level
+    assert checkpoints.save(manager, 1, state)
+    manager.wait_until_finished()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
   assert not lowered
   abstract = checkpoints.abstract_with_shardings(jax.eval_shape(lambda: state), {"w": state["w"].sharding})
   assert_trees_equal(checkpoints.restore_latest(checkpoints.make_manager(str(tmp_path)), abstract)[1], state)

@@ -58,4 +58,9 @@ def process_rows(make_stream: Callable[..., "tf.data.Dataset"], *, num_streams: 
   start, stop = lo - first * per_stream, hi - first * per_stream
   if (start, stop) == (0, per_stream * len(streams)):
     return ds
+  return keep_rows(ds, start, stop)
+
+
+def keep_rows(ds: "tf.data.Dataset", start: int, stop: int) -> "tf.data.Dataset":
+  """Rows [start, stop) of every batch of `ds` (dicts of arrays batched on axis 0)."""
   return ds.map(_graph_fn(lambda batch: {key: value[start:stop] for key, value in batch.items()}))

@@ -232,8 +232,7 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     ds = input_pipeline.make_dataset(data_dir or self.config.data_dir, split, batch_size=self.config.batch_size,
                                      seq_len=self.config.seq_len, seed=self.config.seed, shuffle=False,
                                      repeat=repeat, process_index=0, process_count=1)
-    return ds.map(input_pipeline.graph_fn(lambda batch: {key: value[first:first + rows]
-                                                         for key, value in batch.items()}))
+    return global_batch.keep_rows(ds, first, first + rows)
 
   def train_step_fn(self):
     """The pure step of this run (before jit): the objective under the generic step."""
