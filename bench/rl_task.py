@@ -61,12 +61,13 @@ def prepare(root: str, sft_steps: int):
   return data_dir, sft_run(root, data_dir, sft_steps)
 
 
-def sft_run(root: str, data_dir: str, steps: int, model=MODEL) -> str:
-  """ROOT/sft: `steps` of SFT (batch 16, SEQ_LEN 32, lr 1e-2) on a chat DATA_DIR from a random base (ROOT/base)."""
+def sft_run(root: str, data_dir: str, steps: int, model=MODEL, checkpoint_every: int = 0) -> str:
+  """ROOT/sft: `steps` of SFT (batch 16, SEQ_LEN 32, lr 1e-2) on a chat DATA_DIR from a random base (ROOT/base),
+  checkpointed at the end (or every `checkpoint_every` steps, the newest 3 kept)."""
   base_dir, sft_dir = f"{root}/base", f"{root}/sft"
   sft = config_lib.TrainConfig(
       model_dir=sft_dir, data_dir=data_dir, train_steps=steps, batch_size=16, seq_len=32, log_every=50,
-      eval_every=0, checkpoint_every=steps, mesh_shape={"data": -1},
+      eval_every=0, checkpoint_every=checkpoint_every or steps, mesh_shape={"data": -1},
       data=data_lib.DataConfig(eval_batches=0, shuffle_buffer=256),
       checkpoint=checkpointing.CheckpointConfig(async_save=False, warm_start_from=base_dir, warm_start_required=True))
   sft_opt = optimizer_lib.OptimizerConfig(learning_rate=1e-2, warmup_steps=10, decay="constant")

@@ -61,9 +61,9 @@ def prepare(root: str, num_sft: int = 2000, num_prompts: int = 600):
   return sft_dir, rl_dir
 
 
-def sft_run(root: str, data_dir: str, steps: int) -> str:
+def sft_run(root: str, data_dir: str, steps: int, checkpoint_every: int = 0) -> str:
   """ROOT/sft: bench/rl_task.py's SFT of this task's MODEL from a random base."""
-  return rl_task.sft_run(root, data_dir, steps, MODEL)
+  return rl_task.sft_run(root, data_dir, steps, MODEL, checkpoint_every)
 
 
 def grpo_config(model_dir: str, data_dir: str, sft_dir: str, *, steps: int, prompts: int, group: int,
