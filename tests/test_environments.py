@@ -17,6 +17,7 @@ from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.posttrain import environments
 from t5x_like.posttrain import rollout
 from t5x_like.recipes import experiment as experiment_lib
+from t5x_like.training import checkpointing
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import trainer
 
@@ -116,7 +117,7 @@ def test_episodes_keep_the_policys_tokens_weigh_the_environment_zero_and_cut_at_
   assert len(cut.prompts[0]) + len(cut.completions[0]) <= 15
 
 
-SFT_STEPS, SFT_EVERY, STEPS = 300, 50, 20
+SFT_STEPS, SFT_EVERY, STEPS = 300, 50, 20  # the SFT keeps its newest 3 checkpoints: 200, 250, 300
 
 
 @pytest.mark.slow  # 300 SFT steps and 20 GRPO steps of 128 two-turn episodes (≈ 45 s on 2 cores)
@@ -134,15 +135,18 @@ def test_grpo_with_the_calculator_learns_to_call_the_tool_and_answer(tmp_path):
   config = tool_task.grpo_config(f"{root}/grpo", rl_data, sft_dir, steps=STEPS, prompts=16, group=8, eval_every=0)
   opt = optimizer_lib.OptimizerConfig(learning_rate=3e-3, warmup_steps=5, decay="constant", weight_decay=0.0)
   exp = experiment_lib.Experiment(config, tool_task.MODEL, opt)
-  starts = {step: evaluate_start(exp, f"{sft_dir}/checkpoints/{step}")
-            for step in range(SFT_STEPS - 2 * SFT_EVERY, SFT_STEPS + 1, SFT_EVERY)}
+  kept = {step: checkpointing.step_dir(sft_dir, step)[1] for step in checkpointing.committed_steps(sft_dir)}
+  assert sorted(kept) == [200, 250, 300]
+  starts = {step: evaluate_start(exp, path) for step, path in kept.items()}
   step = max((s for s, r in starts.items() if 0.3 <= r["eval/reward_mean"] <= 0.7), default=None)
   assert step is not None, {s: r["eval/reward_mean"] for s, r in starts.items()}
   before = starts[step]
-  config = dataclasses.replace(config, checkpoint=dataclasses.replace(
-      config.checkpoint, warm_start_from=f"{sft_dir}/checkpoints/{step}"))
+  config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, warm_start_from=kept[step]))
   after = trainer.train(config, tool_task.MODEL, opt)
   print("SFT step", step, {k: (round(before[k], 3), round(after[k], 3)) for k in before})
+  # GRPO started where `before` was measured, not from the SFT run's newest checkpoint
+  last = checkpointing.step_dir(f"{root}/grpo")[1]
+  assert checkpointing.read_metadata(last)["initial_checkpoint"] == kept[step]
   assert after["eval/reward_mean"] >= before["eval/reward_mean"] + 0.1  # measured 0.71 → 0.84 (AVX-512)
   steps = [json.loads(line) for line in open(f"{root}/grpo/metrics.jsonl")]
   steps = [r for r in steps if "loss" in r]

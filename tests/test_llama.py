@@ -41,16 +41,13 @@ def llama_reference(llama_initial_state):
   return test_parallelism.train(llama_initial_state, {"data": 1}, devices=jax.devices()[:1], base=LLAMA)
 
 
-LLAMA_PARAM_ATOL = test_parallelism.NEAR_ZERO_GRAD_PARAM_ATOL  # its comment says why
-
-
 @pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_llama_layout_trains_like_one_device(llama_initial_state, llama_reference):
   """Grouped-query heads split over `tensor` with their query groups; positions travel through the interleaved
   pipeline. One layout: the generic layouts are tests/test_parallelism.py's."""
   layout = "pipeline2_data2_tensor2_v2"
   result = test_parallelism.train(llama_initial_state, **test_parallelism.LAYOUTS[layout], base=LLAMA)
-  test_parallelism.assert_same_training(result, llama_reference, param_atol=LLAMA_PARAM_ATOL)
+  test_parallelism.assert_same_training(result, llama_reference, param_atol=test_parallelism.NEAR_ZERO_GRAD_PARAM_ATOL)
 
 
 def test_llama_parameters_are_the_contract_tree():
