@@ -18,10 +18,16 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 from t5x_like.parallel import distributed  # pylint: disable=g-import-not-at-top  (imports jax; no backend starts)
 
-# Tests compile many tiny programs: XLA:CPU's compile time, not their run time, is what a test run waits
-# for, so LLVM's optimisation is turned down (about 40% less time; the same results at the tests'
-# tolerances, both sides of every comparison compiled alike). Subprocesses get these flags via xla_flags().
+# Two kinds of test module. Most run their programs long enough that XLA:CPU's optimisation pays for itself once
+# the compilation cache is warm: they compile as a user's run does, the expensive LLVM passes aside (a pair of
+# modules, 2-core AVX2 EPYC, warm: 162 s at optimisation level 0, 81 s at the default level). A module marked
+# `compile_bound` builds many programs it runs a few times: its programs compile with XLA's optimisation turned
+# down (jax_disable_most_optimizations: level 0; about 40% less compile time), set before each of its tests
+# (pytest_runtest_setup below). Both sides of every in-process comparison are compiled alike. Launched processes
+# compile like compile_bound modules (xla_flags(); JAX_DISABLE_MOST_OPTIMIZATIONS for those inheriting this
+# environment) unless a test asks for a user's optimisation (xla_flags(fast_compile=False), user_env()).
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+TEST_XLA_FLAGS = "--xla_llvm_disable_expensive_passes=true"
 
 
 def xla_flags(devices: int = 8, fast_compile: bool = True) -> str:
@@ -34,7 +40,16 @@ def xla_flags(devices: int = 8, fast_compile: bool = True) -> str:
   return " ".join((FAST_COMPILE_FLAGS,) * fast_compile + distributed.cpu_xla_flags()) + fake
 
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
+def user_env(devices: int = 0) -> dict:
+  """The environment of a launch that compiles as a user's run does (xla_flags(fast_compile=False))."""
+  env = dict(os.environ, XLA_FLAGS=xla_flags(devices, fast_compile=False))
+  env.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
+  return env
+
+
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS, *distributed.cpu_xla_flags(),
+                                    "--xla_force_host_platform_device_count=8"]).strip()
+os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # for launches inheriting it (jax read it at its import, above)
 
 import pytest  # pylint: disable=g-import-not-at-top
 
@@ -91,6 +106,13 @@ LONGEST_FILES = ("test_multihost.py", "test_rl_resume.py", "test_sweep.py", "tes
                  "test_optimizer_resume.py", "test_families.py", "test_readme_demo.py", "test_lora.py", "test_ppo.py",
                  "test_fault_tolerance.py", "test_engine.py", "test_parallelism.py", "test_online_dpo.py",
                  "test_moe.py", "test_lm_eval.py", "test_interop.py", "test_orpo_kto.py")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+  """Before a test and its fixtures: XLA's optimisation turned down for a compile_bound module, on for any other."""
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_disable_most_optimizations", item.get_closest_marker("compile_bound") is not None)
 
 
 def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument

@@ -103,9 +103,10 @@ def test_nan_batch_skipped_then_streak_rolls_back_and_skips_batches(tmp_path, da
   with exp.context():
     _, params = exp.restore_params(4)
     loss_sum, weight_sum, _ = jax.jit(exp.objective.loss)(params, exp.global_batch(global_batch.tf_to_numpy(tf_batch)), {})
-  # rtol 1e-5: a forward-only program, fused apart from the train step's (XLA:CPU, its library dots and unrolled
-  # layers: 7e-6); the losses of other batches differ by 1e-3 and more.
-  np.testing.assert_allclose(records[7]["loss"], float(loss_sum / weight_sum), rtol=1e-5)
+  # rtol 3e-5: a forward-only program, fused apart from the train step's (XLA:CPU, its library dots and unrolled
+  # layers: 7e-6 at optimisation level 0, 1.0e-5 at the default level); the losses of other batches differ by 1e-3
+  # and more.
+  np.testing.assert_allclose(records[7]["loss"], float(loss_sum / weight_sum), rtol=3e-5)
   assert records[7]["loss"] != records[6]["loss"]
   assert "rolled back to step 4" in caplog.text
   assert checkpoints.committed_steps(str(model_dir))[-1] == 8

@@ -7,6 +7,8 @@ import shutil
 
 import pytest
 
+from tests import conftest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SKIPS = '''
@@ -96,3 +98,20 @@ def test_the_test_processes_use_the_persistent_compilation_cache():
   assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
   assert jax.config.jax_persistent_cache_min_entry_size_bytes == 0
   assert jax.config.jax_platforms == os.environ["JAX_PLATFORMS"]
+
+
+def test_compile_bound_modules_compile_at_level_0_and_the_others_as_a_user_run(run_pytest):
+  """tests/conftest.py sets XLA's optimisation before each test: turned down in a module marked compile_bound (its
+  fixtures included), on elsewhere; a launched process inherits the turned-down setting, user_env() does not."""
+  check = ("import jax, os, pytest\n{mark}\n@pytest.fixture(scope='module')\ndef level():\n"
+           "  return jax.config.read('jax_disable_most_optimizations')\n\n"
+           "def test_level(level):\n"
+           "  assert level is {expected} and jax.config.read('jax_disable_most_optimizations') is {expected}\n"
+           "  assert os.environ['JAX_DISABLE_MOST_OPTIMIZATIONS'] == '1'\n")
+  files = {"test_a_bound.py": check.format(mark="pytestmark = pytest.mark.compile_bound\n", expected=True),
+           "test_b_run.py": check.format(mark="", expected=False),
+           "test_c_bound.py": check.format(mark="pytestmark = pytest.mark.compile_bound\n", expected=True)}
+  code, out = run_pytest(files)
+  assert code == 0 and "3 passed" in out, out
+  assert "JAX_DISABLE_MOST_OPTIMIZATIONS" not in conftest.user_env() and "level=0" not in conftest.user_env()["XLA_FLAGS"]
+  assert "--xla_backend_optimization_level=0" in conftest.xla_flags(2)
