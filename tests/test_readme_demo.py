@@ -32,9 +32,10 @@ def readme_demo() -> dict:
 
 
 def _run(argv, timeout=900) -> str:
-  # As a user's shell runs it: no test XLA flags (no fake devices, no reduced LLVM optimisation); the entry
-  # points add their own. The shared compilation cache stays: a cached program is the same program.
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  # As a user's shell runs it: no test XLA settings (no fake devices, no reduced optimisation: tests/conftest.py's
+  # XLA_FLAGS and JAX_DISABLE_MOST_OPTIMIZATIONS); the entry points add their own flags. The shared compilation cache
+  # stays: a cached program is the same program.
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")}
   out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
   assert out.returncode == 0, f"{shlex.join(argv)} exited {out.returncode}:\n{out.stderr[-3000:]}"
   return out.stdout + out.stderr
