@@ -25,30 +25,29 @@ from t5x_like.parallel import distributed  # pylint: disable=g-import-not-at-top
 # down (jax_disable_most_optimizations: level 0; about 40% less compile time), set before each of its tests
 # (pytest_runtest_setup below). Both sides of every in-process comparison are compiled alike. Launched processes
 # compile like compile_bound modules (xla_flags(); JAX_DISABLE_MOST_OPTIMIZATIONS for those inheriting this
-# environment) unless a test asks for a user's optimisation (xla_flags(fast_compile=False), user_env()).
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# environment) unless a test launches them as a user's shell would (user_env()).
 TEST_XLA_FLAGS = "--xla_llvm_disable_expensive_passes=true"
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 " + TEST_XLA_FLAGS
+TEST_SETTINGS = ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")  # what user_env() leaves out
 
 
-def xla_flags(devices: int = 8, fast_compile: bool = True) -> str:
-  """XLA_FLAGS for a test process with `devices` fake CPU devices (0: the real device count), and the XLA:CPU flags
-  every entry point runs with (distributed.cpu_xla_flags), so in-process tests compute as the CLI runs they
-  compare with. `fast_compile=False` leaves LLVM's optimisation on, as a user's run has it: for a launch that runs
-  hundreds of steps and compares with nothing in process (the turned-down code runs ~3× slower: llama_tiny at
-  16 × 128, 3,980 against 11,775 tokens/s, 4 Dec 2026, 2-core AMD EPYC with AVX-512)."""
+def xla_flags(devices: int = 8, compile_flags: str = FAST_COMPILE_FLAGS) -> str:
+  """XLA_FLAGS for a test process with `devices` fake CPU devices (0: the real device count), `compile_flags`, and
+  the XLA:CPU flags every entry point runs with (distributed.cpu_xla_flags), so in-process tests compute as the CLI
+  runs they compare with."""
   fake = f" --xla_force_host_platform_device_count={devices}" if devices else ""
-  return " ".join((FAST_COMPILE_FLAGS,) * fast_compile + distributed.cpu_xla_flags()) + fake
+  return " ".join((compile_flags, *distributed.cpu_xla_flags())) + fake
 
 
-def user_env(devices: int = 0) -> dict:
-  """The environment of a launch that compiles as a user's run does (xla_flags(fast_compile=False))."""
-  env = dict(os.environ, XLA_FLAGS=xla_flags(devices, fast_compile=False))
-  env.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
-  return env
+def user_env() -> dict:
+  """The environment of a launch as a user's shell runs it: no test settings (TEST_SETTINGS: no fake devices, no
+  reduced optimisation; the entry points add their own flags), for a launch that runs hundreds of steps and compares
+  with nothing in process (level 0's code runs ~3× slower: llama_tiny at 16 × 128, 3,980 against 11,775 tokens/s,
+  4 Dec 2026, 2-core AMD EPYC with AVX-512). The shared compilation cache stays: a cached program is the same."""
+  return {k: v for k, v in os.environ.items() if k not in TEST_SETTINGS}
 
 
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS, *distributed.cpu_xla_flags(),
-                                    "--xla_force_host_platform_device_count=8"]).strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8, TEST_XLA_FLAGS)).strip()
 os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # for launches inheriting it (jax read it at its import, above)
 
 import pytest  # pylint: disable=g-import-not-at-top

@@ -110,8 +110,7 @@ def test_lora_on_chat_data_trains_the_marker_rows_and_every_reader_merges_them(t
 
 def launch(module: str, *runs) -> None:
   """`python -m t5x_like.<module> ARGV` for each ARGV of `runs`, one after another in one process
-  (conftest.launch_each), as a user runs them: XLA's optimisation on (conftest.user_env: the steps run ~3× faster
-  than at optimisation level 0)."""
+  (conftest.launch_each), as a user runs them: XLA's optimisation on (conftest.user_env)."""
   for done in conftest.launch_each(f"t5x_like.{module}", [list(argv) for argv in runs], env=conftest.user_env(),
                                    timeout=900):
     assert done.returncode == 0, done.stderr[-3000:]

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests import conftest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_GIN = "configs/experiments/pystdlib_demo.gin"
 # what hooks.EvalHook prints after the last evaluation of a run with the unigram baseline
@@ -32,11 +34,8 @@ def readme_demo() -> dict:
 
 
 def _run(argv, timeout=900) -> str:
-  # As a user's shell runs it: no test XLA settings (no fake devices, no reduced optimisation: tests/conftest.py's
-  # XLA_FLAGS and JAX_DISABLE_MOST_OPTIMIZATIONS); the entry points add their own flags. The shared compilation cache
-  # stays: a cached program is the same program.
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")}
-  out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+  # As a user's shell runs it: none of the tests' XLA settings (conftest.user_env).
+  out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=conftest.user_env())
   assert out.returncode == 0, f"{shlex.join(argv)} exited {out.returncode}:\n{out.stderr[-3000:]}"
   return out.stdout + out.stderr
 

@@ -113,5 +113,5 @@ def test_compile_bound_modules_compile_at_level_0_and_the_others_as_a_user_run(r
            "test_c_bound.py": check.format(mark="pytestmark = pytest.mark.compile_bound\n", expected=True)}
   code, out = run_pytest(files)
   assert code == 0 and "3 passed" in out, out
-  assert "JAX_DISABLE_MOST_OPTIMIZATIONS" not in conftest.user_env() and "level=0" not in conftest.user_env()["XLA_FLAGS"]
+  assert not {"XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS"} & set(conftest.user_env())
   assert "--xla_backend_optimization_level=0" in conftest.xla_flags(2)
