@@ -245,8 +245,9 @@ def launch_each(module: str, runs, env=None, timeout: float = 300) -> list:
   import re  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
+  from tests import forkserver  # pylint: disable=g-import-not-at-top
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  done = subprocess.run([sys.executable, os.path.join(root, "tests", "launch_each.py"), module, json.dumps(runs)],
+  done = forkserver.run([sys.executable, os.path.join(root, "tests", "launch_each.py"), module, json.dumps(runs)],
                         cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
   marker = re.compile(r"^=== exit (-?\d+)\n", re.M)
   out, err = marker.split(done.stdout), marker.split(done.stderr)

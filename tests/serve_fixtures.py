@@ -15,6 +15,8 @@ import urllib.request
 import jax
 import numpy as np
 
+from tests import forkserver
+
 from t5x_like.data import chat_synth
 from t5x_like.data import preprocessing
 from t5x_like.data import tokenizer as tokenizer_lib
@@ -70,7 +72,7 @@ class ServerProcess:
 
   def __init__(self, run: dict | None, *flags, timeout_seconds: float = 300, environ: dict | None = None,
                wait: bool = True):
-    self.proc = subprocess.Popen([sys.executable, "-m", "t5x_like.serve", *(run_args(run) if run else []), "--port=0",
+    self.proc = forkserver.Popen([sys.executable, "-m", "t5x_like.serve", *(run_args(run) if run else []), "--port=0",
                                   *flags],
                                  cwd=REPO, env=environ or env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True)

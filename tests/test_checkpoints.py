@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests import conftest
+from tests import forkserver
 import tensorflow as tf
 
 from t5x_like.training import checkpointing as checkpoints
@@ -235,7 +236,7 @@ def test_cli_list_inspect_digest_and_errors(tmp_path, capsys, monkeypatch):
   assert "params/blocks/mlp_in/kernel" in out and "(2, 32, 64)" in out and "'fsdp', 'tensor'" in out
   assert '"code_version": "0.1.0' in out
 
-  run = lambda *args: subprocess.run([sys.executable, "-m", "t5x_like.checkpoints", *args], cwd=REPO,
+  run = lambda *args: forkserver.run([sys.executable, "-m", "t5x_like.checkpoints", *args], cwd=REPO,
                                      capture_output=True, text=True, env=dict(os.environ, XLA_FLAGS=conftest.xla_flags(0)))
   digest = run("digest", str(tmp_path))
   assert digest.returncode == 0, digest.stderr

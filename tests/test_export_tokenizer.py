@@ -13,6 +13,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from t5x_like.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
 from tests.test_fault_tolerance import REPO, launch_args, launch_env  # pylint: disable=g-import-not-at-top
 from tests import conftest  # pylint: disable=g-import-not-at-top
+from tests import forkserver
 
 TEXT = "the quick brown fox sees a lazy dog.\nThe cat runs."
 
@@ -35,7 +36,7 @@ def test_pretraining_run_exports_its_data_dirs_tokenizer(corpus, tmp_path, monke
   ours = tokenizer_lib.load(data_dir)
   # The DATA_DIR gone: the weights are still written, and one line says where no tokenizer was found.
   shutil.rmtree(data_dir)
-  without = subprocess.Popen([sys.executable, "-m", "t5x_like.convert",
+  without = forkserver.Popen([sys.executable, "-m", "t5x_like.convert",
                               *_convert_args(model_dir, tmp_path / "hf2")], cwd=REPO, env=launch_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests import conftest
+from tests import forkserver
 
 from t5x_like.training import checkpointing as checkpoints
 from t5x_like.training import fault_tolerance
@@ -136,7 +137,7 @@ def launch_env() -> dict:
 
 def _launch(model_dir, data_dir, steps=STEPS):
   log = open(os.path.join(os.path.dirname(model_dir), os.path.basename(model_dir) + ".log"), "ab")
-  return subprocess.Popen(launch_args(model_dir, data_dir, steps), cwd=REPO, env=launch_env(), stdout=log,
+  return forkserver.Popen(launch_args(model_dir, data_dir, steps), cwd=REPO, env=launch_env(), stdout=log,
                           stderr=subprocess.STDOUT)
 
 

@@ -21,6 +21,7 @@ from t5x_like.evaluation import tasks as lm_tasks  # pylint: disable=g-import-no
 from tests.hf_reference import hf_models, imported, tokenizer  # pylint: disable=g-import-not-at-top,unused-import
 from tests.test_fault_tolerance import REPO, launch_args, launch_env  # pylint: disable=g-import-not-at-top
 from tests import conftest  # pylint: disable=g-import-not-at-top
+from tests import forkserver
 
 WORDS = ["the quick brown fox", "jumps over the lazy dog;", "hello world, hello there.", "the lazy fox"]
 
@@ -127,7 +128,7 @@ def _corpus_task(folder):
 
 
 def _launch(args) -> subprocess.Popen:
-  return subprocess.Popen(args, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  return forkserver.Popen(args, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.slow  # trains and evaluates in process; two launches that must fail (exit code 1, one stderr line)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests import conftest
+from tests import forkserver
 from tests import test_parallelism as layouts
 from tests.test_finetune import LORA, OPT, REPO, TINY, digest, model_params, random_params, run_config
 from tests.test_finetune import base  # pylint: disable=unused-import  (a fixture this file's tests take)
@@ -320,7 +321,7 @@ def _launch(model_dir, data_dir, base_dir):
   args += [f"--gin.{k}={v}" for k, v in CLI_TINY.items()]
   env = dict(os.environ, XLA_FLAGS=conftest.xla_flags(2), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
   log = open(f"{model_dir}.log", "ab")
-  return subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+  return forkserver.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _losses(model_dir) -> dict:

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from tests import conftest
+from tests import forkserver
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,10 +46,10 @@ def env(devices):
 def launch(model_dir, data_dir, steps, processes, heartbeat=60):
   """Starts the run as `processes` processes (4 devices in all); returns the Popen objects."""
   if processes == 1:
-    return [subprocess.Popen(train_args(model_dir, data_dir, steps), cwd=ROOT, env=env(4),
+    return [forkserver.Popen(train_args(model_dir, data_dir, steps), cwd=ROOT, env=env(4),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
   port = free_port()
-  return [subprocess.Popen(
+  return [forkserver.Popen(
       train_args(model_dir, data_dir, steps, [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
                                               f"--process_id={i}", f"--heartbeat_timeout={heartbeat}",
                                               "--shutdown_timeout=20"]),

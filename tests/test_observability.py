@@ -21,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests import conftest
+from tests import forkserver
 from tests.decode_reference import engine_tokens, generate_by_recompute
 
 from t5x_like import cli as cli_lib
@@ -92,7 +93,7 @@ def run(tmp_path_factory):
          f"--gin.observe.ObserveConfig.profile_steps={PROFILE}"]
   scrapes = []
   with open(root / "train.log", "w") as log:
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    proc = forkserver.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 600
     while proc.poll() is None and time.time() < deadline:
       text = scrape(port)

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests import forkserver
 from tests import test_fault_tolerance
 from tests.test_fault_tolerance import REPO, launch_args, launch_env
 from t5x_like.training import checkpointing as checkpoints
@@ -21,7 +22,7 @@ STEPS = 12
 
 def _launch(model_dir, data_dir, steps, *extra):
   log = open(f"{model_dir}.log", "ab")
-  return subprocess.Popen(launch_args(model_dir, data_dir, steps) + list(extra), cwd=REPO, env=launch_env(),
+  return forkserver.Popen(launch_args(model_dir, data_dir, steps) + list(extra), cwd=REPO, env=launch_env(),
                           stdout=log, stderr=subprocess.STDOUT)
 
 

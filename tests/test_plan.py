@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from tests import forkserver
+
 from t5x_like import cli as gin_utils
 from t5x_like.observe import hardware
 from t5x_like.planning import memory_model
@@ -115,7 +117,7 @@ def test_inter_host_links_slow_the_step():
 def test_cli_reports_and_rejects_bad_input():
   """A report, and a one-line error for a model without a vocabulary: two launches, started together."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  launches = [subprocess.Popen([sys.executable, "-m", "t5x_like.plan", "--gin_file=configs/models/gpt_tiny.gin",
+  launches = [forkserver.Popen([sys.executable, "-m", "t5x_like.plan", "--gin_file=configs/models/gpt_tiny.gin",
                                 *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for args in (["--vocab_size=4096", "--hardware=v5e", "--num_devices=4", "--global_batch=32",
                             "--seq_len=256", "--tokens=1e8"], ["--num_devices=4"])]

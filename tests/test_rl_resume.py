@@ -18,6 +18,7 @@ import time
 import pytest
 
 from tests import conftest
+from tests import forkserver
 from tests import test_multihost
 from tests.test_dpo import SEQ as DPO_SEQ
 from tests.test_dpo import prefs  # pylint: disable=unused-import  (a fixture)
@@ -58,7 +59,7 @@ def _launch(method, model_dir, data_dir, base_dir, *, steps=STEPS, mesh="'data':
   args += [f"--gin.model.GPTConfig.{k}={v}" for k, v in SIZE.items()] + list(extra)
   env = dict(os.environ, XLA_FLAGS=conftest.xla_flags(devices), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
   log = open(f"{model_dir}.log", "ab")
-  return subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+  return forkserver.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _records(model_dir) -> dict:

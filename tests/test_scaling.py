@@ -11,6 +11,7 @@ import pytest
 from scipy import optimize
 
 from tests import conftest
+from tests import forkserver
 
 from t5x_like.experiments import sweep
 from t5x_like.planning import scaling_law
@@ -113,7 +114,7 @@ def test_too_few_sizes_and_runs_without_eval_loss_are_one_line_errors_naming_the
 
 
 def _scaling(*args) -> subprocess.Popen:
-  return subprocess.Popen([sys.executable, "-m", "t5x_like.scaling", *args], cwd=REPO, stdout=subprocess.PIPE,
+  return forkserver.Popen([sys.executable, "-m", "t5x_like.scaling", *args], cwd=REPO, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
 
 

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from tests import conftest
+from tests import forkserver
 from tests import serve_fixtures as sf
 
 from t5x_like.data import chat
@@ -47,7 +48,7 @@ class Launch:
   """`python -m <module> <args>` started now with ENV; result() (conftest.finished) waits for it."""
 
   def __init__(self, module: str, *args):
-    self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=sf.REPO, env=ENV,
+    self.proc = forkserver.Popen([sys.executable, "-m", module, *args], cwd=sf.REPO, env=ENV,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
   def result(self) -> subprocess.CompletedProcess:

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests import conftest
+from tests import forkserver
 
 from t5x_like.experiments import sweep
 from t5x_like.experiments import sweep_report
@@ -126,7 +127,7 @@ def test_finished_means_the_final_eval_is_logged_and_a_cut_line_is_skipped(tmp_p
 
 def test_cli_help_and_one_line_error():
   """`--help`, and a grid key that is no gin binding: the two launches run side by side."""
-  launches = [subprocess.Popen([sys.executable, "-m", "t5x_like.sweep", *argv], cwd=REPO, env=env(),
+  launches = [forkserver.Popen([sys.executable, "-m", "t5x_like.sweep", *argv], cwd=REPO, env=env(),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for argv in (["--help"], [*[f"--gin_file={f}" for f in FILES], "--gin.DATA_DIR='/nowhere'",
                                         "--grid=optimizer.OptimizerConfig.lr=[1e-3]", "--output_dir=/tmp/never"])]
@@ -188,7 +189,7 @@ def test_sweep_killed_mid_way_and_relaunched_gives_the_same_table(corpus, tmp_pa
              f"--output_dir={interrupted}"]
   cli_env = dict(env(), MLFLOW_ALLOW_FILE_STORE="true", WANDB_MODE="offline")
   with open(str(tmp_path / "sweep.log"), "ab") as log:
-    proc = subprocess.Popen(command, cwd=REPO, env=cli_env, stdout=log, stderr=subprocess.STDOUT)
+    proc = forkserver.Popen(command, cwd=REPO, env=cli_env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 600
     while proc.poll() is None and not any(s >= 8 for s in _logged_steps(last)):
       assert time.time() < deadline, "the sweep made no progress"
@@ -197,7 +198,7 @@ def test_sweep_killed_mid_way_and_relaunched_gives_the_same_table(corpus, tmp_pa
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL
     assert _table_missing(interrupted)
-    assert subprocess.run(command, cwd=REPO, env=cli_env, stdout=log, stderr=subprocess.STDOUT,
+    assert forkserver.run(command, cwd=REPO, env=cli_env, stdout=log, stderr=subprocess.STDOUT,
                           timeout=900).returncode == 0
   for row in rows[:3]:
     assert _launches(os.path.join(interrupted, row["run"])) == [0]  # finished: not relaunched

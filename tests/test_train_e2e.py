@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests import conftest
+from tests import forkserver
 from tests import test_fault_tolerance
 
 from t5x_like import cli
@@ -39,7 +40,7 @@ def launches(dataset, tmp_path_factory):
   at steps 2..4."""
   root = tmp_path_factory.mktemp("launches")
   started = {"missing": _cli(f"--gin.MODEL_DIR='{root}/r'", f"--gin.DATA_DIR='{root}/nope'"),
-             "nan": subprocess.Popen(test_fault_tolerance.launch_args(f"{root}/nan", dataset) + [
+             "nan": forkserver.Popen(test_fault_tolerance.launch_args(f"{root}/nan", dataset) + [
                  "--gin.fault_tolerance.FaultToleranceConfig.nonfinite_patience=2",
                  "--gin.fault_tolerance.FaultToleranceConfig.debug_nan_steps=(2, 3, 4)"], cwd=ROOT,
                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=test_fault_tolerance.launch_env())}
@@ -103,7 +104,7 @@ def test_missing_data_dir_is_named(tmp_path):
 
 
 def _cli(*args) -> subprocess.Popen:
-  return subprocess.Popen([sys.executable, "-m", "t5x_like.train", "--gin_file=configs/models/gpt_tiny.gin",
+  return forkserver.Popen([sys.executable, "-m", "t5x_like.train", "--gin_file=configs/models/gpt_tiny.gin",
                            "--gin_file=configs/runs/pretrain.gin", *args], cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env={**os.environ, "XLA_FLAGS": conftest.xla_flags(0)})
 

@@ -1,0 +1,72 @@
+"""tests/forkserver.py: a launch forked from the fork server sees its process as a plain launch does."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests import forkserver
+
+PROBE = [sys.executable, "tests/forkserver_probe.py", "3"]
+
+
+def env(**extra) -> dict:
+  return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=3", T5X_LIKE_PROBE="yes", **extra)
+
+
+def user_env() -> dict:
+  """env() without the test settings (conftest.user_env): JAX's optimisation on."""
+  return {k: v for k, v in env().items() if k != "JAX_DISABLE_MOST_OPTIMIZATIONS"}
+
+
+def probe(run) -> dict:
+  assert run.returncode == 3 and run.stderr == "to stderr\n", (run.returncode, run.stderr[-2000:])
+  return json.loads(run.stdout)
+
+
+def test_a_served_launch_sees_what_a_plain_launch_sees():
+  """The same argv, sys.argv, working directory, sys.path[0], environment (XLA_FLAGS read by this launch's own
+  backend: 3 devices where the test process has 8; JAX's settings: the test settings' optimisation off), __main__,
+  output streams and exit code; and jemalloc."""
+  served = forkserver.Popen(PROBE, cwd=forkserver.REPO, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+  assert isinstance(served, forkserver.Launched)  # not a plain process
+  out, err = served.communicate(timeout=120)
+  forked = probe(subprocess.CompletedProcess(PROBE, served.returncode, out, err))
+  plain = probe(subprocess.run(PROBE, cwd=forkserver.REPO, env=env(), capture_output=True, text=True, timeout=120))
+  assert forked["pid"] == served.pid != plain["pid"]
+  assert forked["jemalloc"]  # the server's allocator, as an entry point's restart gives it
+  for key in ("argv", "orig_argv", "cwd", "path0", "probe", "devices", "level_0", "main"):
+    assert forked[key] == plain[key], (key, forked[key], plain[key])
+  assert forked["devices"] == 3 and forked["main"] and forked["level_0"]
+
+
+def test_kill_9_reaches_the_launch_and_its_status_is_popens():
+  proc = forkserver.Popen([sys.executable, "-m", "t5x_like.train", "--gin_file=configs/models/gpt_tiny.gin"],
+                          cwd=forkserver.REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+  assert isinstance(proc, forkserver.Launched) and proc.poll() is None
+  proc.send_signal(signal.SIGKILL)
+  assert proc.wait(timeout=60) == -signal.SIGKILL
+  assert not os.path.exists(f"/proc/{proc.pid}")  # reaped by its server before the status came
+
+
+def test_two_launches_in_a_row_never_share_a_string_hash_seed():
+  """A run and its relaunch come from the two servers in turn, as two new processes would (random seeds)."""
+  seeds = [probe(forkserver.run(PROBE, cwd=forkserver.REPO, env=env(), capture_output=True, text=True))["hash"]
+           for _ in range(3)]
+  assert seeds[0] != seeds[1] != seeds[2]
+
+
+@pytest.mark.parametrize("environ, level_0", [(env(PYTHONHASHSEED="7"), True), (user_env(), False)])
+def test_an_environment_read_at_import_gets_a_plain_process(environ, level_0):
+  """Python's hash seed, and JAX's settings (read when the server imported jax): not served."""
+  proc = forkserver.Popen(PROBE, cwd=forkserver.REPO, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  assert not isinstance(proc, forkserver.Launched)
+  seen = probe(subprocess.CompletedProcess(PROBE, proc.wait(timeout=120), *proc.communicate()))
+  reference = subprocess.run([sys.executable, "-c", "print(hash('t5x_like'))"], env=environ, capture_output=True,
+                             text=True, check=True)
+  assert seen["level_0"] == level_0 and (seen["hash"] == int(reference.stdout)) == ("PYTHONHASHSEED" in environ)
