@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -16,6 +17,7 @@ from tests import conftest
 from tests import forkserver
 
 from t5x_like.experiments import sweep
+from t5x_like.experiments import sweep_data
 from t5x_like.experiments import sweep_report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +42,20 @@ GRID = ["optimizer.OptimizerConfig.name=['adamw','adafactor']", "optimizer.Optim
 
 def env() -> dict:
   return dict(os.environ, XLA_FLAGS=conftest.xla_flags(2), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+
+
+@pytest.fixture
+def forked_launches(monkeypatch):
+  """The launches of a sweep run in this process (its training runs and dataset builds) forked from the fork server
+  (tests/forkserver.py). Such a sweep is never killed: its runs need not die with it (sweep._die_with_parent, the
+  preexec_fn dropped here); the sweeps launched through the CLI below start theirs as the CLI does."""
+
+  def popen(args, preexec_fn=None, **kwargs):  # pylint: disable=unused-argument
+    return forkserver.Popen(args, **kwargs)
+
+  forked = types.SimpleNamespace(Popen=popen, run=forkserver.run, STDOUT=subprocess.STDOUT, PIPE=subprocess.PIPE)
+  monkeypatch.setattr(sweep, "subprocess", forked)
+  monkeypatch.setattr(sweep_data, "subprocess", forked)
 
 
 def test_grid_parses_literals_and_names_runs_stably():
@@ -150,6 +166,7 @@ def _launches(model_dir) -> list:
 
 
 @pytest.mark.slow  # trains 4 tiny runs, then the last of them again through the CLI with a kill -9
+@pytest.mark.usefixtures("forked_launches")
 def test_sweep_killed_mid_way_and_relaunched_gives_the_same_table(corpus, tmp_path, monkeypatch):
   """The uninterrupted sweep also logs every run to MLflow and W&B (tests/test_trackers.check_sweep_trackers). The
   same sweep through the CLI, as a kill -9 in its last run leaves it (its folder with the first three runs finished,
@@ -222,6 +239,7 @@ def _table_missing(output_dir) -> bool:
 
 
 @pytest.mark.slow  # preprocesses the corpus twice and trains two tiny runs
+@pytest.mark.usefixtures("forked_launches")
 def test_tokenizer_axis_builds_one_dataset_per_setting_once(tmp_path):
   """--grid=preprocess.vocab_size=[300, 400]: two datasets built by preprocess, each run trained on its own (the
   embedding follows the vocabulary, padded to 128); a relaunch reuses both datasets and trains nothing."""
