@@ -239,8 +239,8 @@ def finished(proc, timeout: float = 300):
 
 def launch_each(module: str, runs, env=None, timeout: float = 300) -> list:
   """`python -m module argv` for each argv of `runs`, one after another in one process (tests/launch_each.py: each
-  through the module's own `__main__`, flags and gin reset between them): a CompletedProcess per run, the last
-  one's return code the process's own."""
+  through the module's own `__main__`, flags and gin reset between them; the process forked from tests/forkserver.py's
+  server where it serves `env`): a CompletedProcess per run, the last one's return code the process's own."""
   import json  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top

@@ -44,7 +44,6 @@ import types
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELOAD = ("numpy", "ml_dtypes", "jax", "tensorflow", "flax", "optax", "absl.app", "absl.flags", "absl.logging",
            "gin")
-# environment variables a launch may set differently from the server: read after the preloaded imports
 # environment variables read when the servers' modules are imported (Python, the allocator, numpy and its BLAS,
 # TensorFlow, JAX, Flax, absl, gin): a launch must hold the values its server started with
 AT_IMPORT = ("PYTHON", "LD_", "MALLOC_", "T5X_LIKE_HOST_ALLOCATOR", "OMP_", "OPENBLAS_", "GOTO", "MKL_", "KMP_",
@@ -199,6 +198,8 @@ def _server(env):
     turn = _TURN[0] % 2
     _TURN[0] += 1
     if _SERVERS[turn] is None:
+      if _at_import(env) != _at_import(os.environ):
+        return None  # a server would start with this process's environment: not worth starting for this launch
       _SERVERS[turn] = _Server()
     server = _SERVERS[turn]
   return server if _at_import(env) == server.at_import else None
@@ -218,7 +219,8 @@ def _served_argv(args):
 
 class Launched:
   """A launch through a fork server, with the part of subprocess.Popen the tests use: pid, args, returncode,
-  stdout / stderr (file objects for PIPE), poll, wait, send_signal, terminate, kill, communicate."""
+  stdout / stderr (file objects for PIPE), poll, wait, send_signal, terminate, kill, communicate. Its stdin is
+  /dev/null (no launch reads one; a plain Popen would share the test worker's)."""
 
   def __init__(self, server, args, argv, cwd, env, stdout, stderr, text):
     self.args, self.returncode, self._status = args, None, b""
@@ -315,7 +317,8 @@ class Launched:
     self.wait()
 
 
-def Popen(args, *, cwd=None, env=None, stdin=None, stdout=None, stderr=None, text=False, **kwargs):  # pylint: disable=invalid-name
+# pylint: disable-next=invalid-name
+def Popen(args, *, cwd=None, env=None, stdin=None, stdout=None, stderr=None, text=False, **kwargs):
   """subprocess.Popen(args, ...) for a launch of an entry point (or a script under tests/): forked from a fork
   server when one serves it (module docstring), else a plain process (as for any other keyword argument)."""
   argv = _served_argv(args) if stdin is None and not kwargs else None
