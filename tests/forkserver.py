@@ -48,8 +48,6 @@ PRELOAD = ("numpy", "ml_dtypes", "jax", "tensorflow", "flax", "optax", "absl.app
 # TensorFlow, JAX, Flax, absl, gin): a launch must hold the values its server started with
 AT_IMPORT = ("PYTHON", "LD_", "MALLOC_", "T5X_LIKE_HOST_ALLOCATOR", "OMP_", "OPENBLAS_", "GOTO", "MKL_", "KMP_",
              "NPY_", "NUMPY_", "TF_", "JAX_", "FLAX_", "ABSL_", "GIN_", "XLA_PYTHON_", "CUDA", "TPU_")
-# set by t5x_like/__init__.py in every process that imports it, unless set before (the server and a launch alike)
-PACKAGE_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
 JEMALLOC_KEYS = ("LD_PRELOAD", "MALLOC_CONF", "T5X_LIKE_HOST_ALLOCATOR_RESTARTED")  # what the restart adds
 HEADER = struct.Struct("!Q")
 
@@ -82,7 +80,7 @@ def serve(path: str) -> dict:
   selector = selectors.DefaultSelector()
   selector.register(listener, selectors.EVENT_READ, "accept")
   selector.register(sys.stdin, selectors.EVENT_READ, "stdin")
-  print("ready", flush=True)
+  print("ready " + json.dumps(dict(os.environ)), flush=True)  # as its imports (and jemalloc's restart) left it
   running = {}  # pidfd -> (pid, connection)
   while True:
     for key, _ in selector.select():
@@ -165,8 +163,8 @@ def server_main(path: str) -> None:
 # ---------------------------------------------------------------------------------------------------- the client
 
 def _at_import(env) -> dict:
-  """The variables of `env` read when the servers' modules are imported, with t5x_like/__init__.py's defaults."""
-  return {k: v for k, v in {**PACKAGE_DEFAULTS, **env}.items() if k.startswith(AT_IMPORT)}
+  """The variables of `env` that the servers' modules read when they are imported."""
+  return {k: v for k, v in env.items() if k.startswith(AT_IMPORT)}
 
 
 class _Server:
@@ -176,14 +174,26 @@ class _Server:
     self.dir = tempfile.mkdtemp(prefix="t5x_like_forkserver_")
     atexit.register(shutil.rmtree, self.dir, True)
     self.path = os.path.join(self.dir, "socket")
-    self.at_import = _at_import(os.environ)
+    self.before = _at_import(os.environ)
     self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "forkserver.py"), self.path],
                                  cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    if self.proc.stdout.readline() != b"ready\n":
+    ready = self.proc.stdout.readline()
+    if not ready.startswith(b"ready "):
       raise RuntimeError(f"the fork server did not start (exit {self.proc.wait()})")
-    with open(f"/proc/{self.proc.pid}/environ", "rb") as f:  # after its jemalloc restart
-      served = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    self.jemalloc = {k: served[k.encode()].decode() for k in JEMALLOC_KEYS if k.encode() in served}
+    after = json.loads(ready[len(b"ready "):])
+    self.jemalloc = {k: after[k] for k in JEMALLOC_KEYS if k in after}
+    # what the imports themselves set (TensorFlow sets TPU_ML_PLATFORM, KMP_INIT_AT_FORK..., JAX TPU_SKIP_MDS_QUERY,
+    # t5x_like TF_CPP_MIN_LOG_LEVEL): a launch may hold those values already (its test process imported the same)
+    after = _at_import(after)
+    self.set_by_imports = {k: after.get(k) for k in set(after) | set(self.before)
+                           if after.get(k) != self.before.get(k)}
+
+  def serves(self, env) -> bool:
+    """Whether a launch with environment `env` imports as this server did: each variable read at import as the
+    server started with it, or as its imports set it."""
+    env = _at_import(env)
+    return all(env.get(k) == self.before.get(k) or (k in self.set_by_imports and env.get(k) == self.set_by_imports[k])
+               for k in set(env) | set(self.before) | set(self.set_by_imports))
 
 
 _SERVERS = [None, None]  # each started at its first turn
@@ -192,17 +202,17 @@ _LOCK = threading.Lock()
 
 
 def _server(env):
-  """The next of the two servers (started on first use), or None where `env` differs from the environment it
-  started with in a variable read at import (AT_IMPORT)."""
+  """The next of the two servers (started on first use), or None where it does not serve `env` (_Server.serves)."""
   with _LOCK:
     turn = _TURN[0] % 2
     _TURN[0] += 1
     if _SERVERS[turn] is None:
-      if _at_import(env) != _at_import(os.environ):
-        return None  # a server would start with this process's environment: not worth starting for this launch
+      other = _SERVERS[1 - turn]
+      if not (other.serves(env) if other else _at_import(env) == _at_import(os.environ)):
+        return None  # a server started now would not serve this launch either: not worth starting for it
       _SERVERS[turn] = _Server()
     server = _SERVERS[turn]
-  return server if _at_import(env) == server.at_import else None
+  return server if server.serves(env) else None
 
 
 def _served_argv(args):

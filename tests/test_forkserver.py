@@ -1,5 +1,6 @@
 """tests/forkserver.py: a launch forked from the fork server sees its process as a plain launch does."""
 
+import importlib
 import json
 import os
 import signal
@@ -67,3 +68,14 @@ def test_jax_settings_other_than_the_servers_get_a_plain_process():
                           text=True)
   assert not isinstance(proc, forkserver.Launched)
   assert not probe(subprocess.CompletedProcess(PROBE, proc.wait(timeout=120), *proc.communicate()))["level_0"]
+
+
+def test_a_variable_the_servers_imports_set_is_served_at_their_value_only():
+  """TensorFlow's import sets TPU_ML_PLATFORM (as in the test process, once it has imported TensorFlow): a launch
+  holding that value is served; another value, read by a plain launch's own import, is not."""
+  importlib.import_module("tensorflow")  # (the suite's other tests import it; alone, this test does)
+  assert os.environ.get("TPU_ML_PLATFORM") == "Tensorflow"  # set here too, by the import of TensorFlow
+  served = forkserver.Popen(PROBE, cwd=forkserver.REPO, env=env(), stdout=subprocess.DEVNULL)
+  other = forkserver.Popen(PROBE, cwd=forkserver.REPO, env=env(TPU_ML_PLATFORM="other"), stdout=subprocess.DEVNULL)
+  assert isinstance(served, forkserver.Launched) and not isinstance(other, forkserver.Launched)
+  assert served.wait(timeout=120) == other.wait(timeout=120) == 3
