@@ -19,8 +19,9 @@ so two consecutive launches (a run and its relaunch) never share a string-hash s
 
 Not served (`Popen` starts a plain process instead): anything but `python -m t5x_like.…` or a script under tests/,
 a stdin or keyword other than the defaults, or an environment that differs from the server's in a variable its
-modules read at import (AT_IMPORT: Python's, the allocator's, TensorFlow's, JAX's...; so conftest.user_env()'s
-launches, without the test settings, are plain). Tests of import behaviour itself (test_imports,
+modules read at import (AT_IMPORT: Python's, the allocator's, TensorFlow's, JAX's...; a value those imports set
+themselves, as TensorFlow's TPU_ML_PLATFORM, may be there already; conftest.user_env()'s launches, without the test
+settings, are plain). Tests of import behaviour itself (test_imports,
 test_metrics_logger, test_host_allocator) and the README demo's commands launch plain processes.
 
 A server: `python tests/forkserver.py SOCKET`; it exits when its stdin (a pipe from the test process) closes.
@@ -45,9 +46,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELOAD = ("numpy", "ml_dtypes", "jax", "tensorflow", "flax", "optax", "absl.app", "absl.flags", "absl.logging",
            "gin")
 # environment variables read when the servers' modules are imported (Python, the allocator, numpy and its BLAS,
-# TensorFlow, JAX, Flax, absl, gin): a launch must hold the values its server started with
-AT_IMPORT = ("PYTHON", "LD_", "MALLOC_", "T5X_LIKE_HOST_ALLOCATOR", "OMP_", "OPENBLAS_", "GOTO", "MKL_", "KMP_",
-             "NPY_", "NUMPY_", "TF_", "JAX_", "FLAX_", "ABSL_", "GIN_", "XLA_PYTHON_", "CUDA", "TPU_")
+# TensorFlow, JAX, Flax, absl, gin): a launch must hold the values its server started with. Not KMP_*: no Intel
+# OpenMP runtime is loaded by them (scikit-learn, which lm-eval imports in a test process, sets KMP_DUPLICATE_LIB_OK).
+AT_IMPORT = ("PYTHON", "LD_", "MALLOC_", "T5X_LIKE_HOST_ALLOCATOR", "OMP_", "OPENBLAS_", "GOTO", "MKL_", "NPY_",
+             "NUMPY_", "TF_", "JAX_", "FLAX_", "ABSL_", "GIN_", "XLA_PYTHON_", "CUDA", "TPU_")
 JEMALLOC_KEYS = ("LD_PRELOAD", "MALLOC_CONF", "T5X_LIKE_HOST_ALLOCATOR_RESTARTED")  # what the restart adds
 HEADER = struct.Struct("!Q")
 

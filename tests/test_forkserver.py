@@ -79,3 +79,10 @@ def test_a_variable_the_servers_imports_set_is_served_at_their_value_only():
   other = forkserver.Popen(PROBE, cwd=forkserver.REPO, env=env(TPU_ML_PLATFORM="other"), stdout=subprocess.DEVNULL)
   assert isinstance(served, forkserver.Launched) and not isinstance(other, forkserver.Launched)
   assert served.wait(timeout=120) == other.wait(timeout=120) == 3
+
+
+def test_a_variable_no_server_module_reads_is_served():
+  """scikit-learn (imported by lm-eval in a test process) sets KMP_DUPLICATE_LIB_OK, which only Intel's OpenMP runtime
+  reads, and no server module loads it: launches after such a test stay served."""
+  proc = forkserver.Popen(PROBE, cwd=forkserver.REPO, env=env(KMP_DUPLICATE_LIB_OK="True"), stdout=subprocess.DEVNULL)
+  assert isinstance(proc, forkserver.Launched) and proc.wait(timeout=120) == 3
