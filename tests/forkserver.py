@@ -209,9 +209,8 @@ def _server(env):
     turn = _TURN[0] % 2
     _TURN[0] += 1
     if _SERVERS[turn] is None:
-      other = _SERVERS[1 - turn]
-      if not (other.serves(env) if other else _at_import(env) == _at_import(os.environ)):
-        return None  # a server started now would not serve this launch either: not worth starting for it
+      if _SERVERS[1 - turn] is not None and not _SERVERS[1 - turn].serves(env):
+        return None  # this one would start with the same environment: not worth starting for this launch
       _SERVERS[turn] = _Server()
     server = _SERVERS[turn]
   return server if server.serves(env) else None
