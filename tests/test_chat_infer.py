@@ -12,6 +12,7 @@ from tests import conftest
 
 from t5x_like.data import chat
 from t5x_like.data import chat_synth
+from t5x_like.data import input_pipeline
 from t5x_like.data import preprocessing
 from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.model import decoder as model_lib
@@ -153,10 +154,11 @@ def test_exact_match_of_a_model_with_known_answers(setup):
   assert max(len(setup["tok"].encode(line.reference)) for line in lines) == len(setup["tok"].encode(f" {ANSWER}\n"))
 
 
-def test_reference_loss_is_the_input_pipelines_loss_on_the_preprocessed_file(setup):
+def test_reference_loss_is_the_input_pipelines_loss_on_the_preprocessed_file(setup, monkeypatch):
   """The teacher-forced rows are the input pipeline's: with preprocess's weights (which the single-answer lines'
   reference weights are, see the next test) the loss equals Experiment.evaluate's over the same file written by
-  preprocess (packed rows, the TF pipeline)."""
+  preprocess (packed rows, the TF pipeline). A second evaluation reads the same batches from the pipeline the
+  first one built (Experiment.eval_dataset), building none."""
   exp, encoder = setup["exp"], setup["encoder"]
   lines = chat_eval.read_chat_lines(setup["files"]["mixed"])
   docs = [encoder.render(list(line.messages) + [("assistant", line.reference)]) for line in lines]
@@ -168,6 +170,10 @@ def test_reference_loss_is_the_input_pipelines_loss_on_the_preprocessed_file(set
   assert weight_sum == pipeline["eval/tokens"] == sum(d.weights[1:].sum() for d in docs)
   np.testing.assert_allclose(loss_sum / weight_sum, pipeline["eval/loss"], rtol=2e-5)
   assert 3.0 < pipeline["eval/loss"] < 30.0  # random weights: far from 0
+  built = []
+  monkeypatch.setattr(input_pipeline, "make_dataset", lambda *a, **k: built.append(a) or None)
+  with exp.context():
+    assert exp.evaluate(setup["random"], split="train") == pipeline and not built
   # the reported loss counts the reference turns only: the multi-turn line's first answer drops out
   report = evaluate(setup, setup["random"])
   first_answer = len(setup["tok"].encode("x")) + 1  # "x" and its end marker

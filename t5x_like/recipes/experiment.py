@@ -66,6 +66,7 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     self.tx = optimizer_lib.make_optimizer(optimizer_config, config.train_steps)
     self.batch_sharding = partitioning.batch_sharding(self.mesh, self.rules)
     self.frozen, self.frozen_shardings = {}, {}
+    self._eval_datasets = {}  # (split, repeat, data_dir) → its tf.data pipeline, built (traced) once per run
     self.loaded = {}  # {frozen model name: the checkpoints/<step> directory it was read from}
     self._frozen_layouts, self._parts = {}, {}
     self.lora = config.lora if config.use_lora else None
@@ -226,13 +227,18 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
   def eval_dataset(self, split: str = "validation", repeat: bool = True, data_dir: Optional[str] = None):
     """Evaluation batches, identical on any process layout (and the same count on every process): each
     process reads the whole (small) split in one fixed order and keeps its own rows of each global batch.
-    `data_dir`: a mixture source's (default DATA_DIR)."""
-    rows = self.config.batch_size // jax.process_count()
-    first = jax.process_index() * rows
-    ds = input_pipeline.make_dataset(data_dir or self.config.data_dir, split, batch_size=self.config.batch_size,
-                                     seq_len=self.config.seq_len, seed=self.config.seed, shuffle=False,
-                                     repeat=repeat, process_index=0, process_count=1)
-    return global_batch.keep_rows(ds, first, first + rows)
+    `data_dir`: a mixture source's (default DATA_DIR). Built once per run: each evaluation iterates the same
+    pipeline again from its start (tf.data restarts an unshuffled dataset in the same order), without tracing
+    its functions again."""
+    key = (split, repeat, data_dir)
+    if key not in self._eval_datasets:
+      rows = self.config.batch_size // jax.process_count()
+      first = jax.process_index() * rows
+      ds = input_pipeline.make_dataset(data_dir or self.config.data_dir, split, batch_size=self.config.batch_size,
+                                       seq_len=self.config.seq_len, seed=self.config.seed, shuffle=False,
+                                       repeat=repeat, process_index=0, process_count=1)
+      self._eval_datasets[key] = global_batch.keep_rows(ds, first, first + rows)
+    return self._eval_datasets[key]
 
   def train_step_fn(self):
     """The pure step of this run (before jit): the objective under the generic step."""
