@@ -116,7 +116,7 @@ def launch(module: str, *runs) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-# The standard library's source with a 1,024-token vocabulary (the bench's 4,096): the lm_head, a third of the
+# The standard library's source with a 1,024-token vocabulary (the bench's 4,096): the lm_head, by FLOPs a third of the
 # model's compute at 4,096, shrinks fourfold, and the task is learnt in fewer steps. On a 2-core AVX2 EPYC, alone:
 # 200 + 300 steps (these) answered 1.00 in 74 s, 200 + 450 1.00, 150 + 300 0.99 and 1.00 (two seeds), 100 + 250
 # only 0.84; at 4,096 tokens 300 + 450 answered 0.99 in 148 s, 300 + 300 only 0.72.
