@@ -2,9 +2,9 @@
 
 Every launch of an entry point spends its first seconds importing: TensorFlow (with ml_dtypes and numpy) and JAX
 are most of it (`python -X importtime -c "import t5x_like.train"`: 7.5 of 9.2 s on a busy 2-core AVX2 EPYC), and
-the suite launches entry points about 75 times. A fork server imports them once; each launch is then a fork of it
-that runs the module's `__main__` (runpy, as `python -m` does) with the launch's argv, working directory,
-environment and stdin/stdout/stderr.
+the suite launches entry points about 75 times. A fork server imports them (and t5x_like's library: PRELOAD) once;
+each launch is then a fork of it that runs the module's `__main__` (runpy, as `python -m` does) with the launch's
+argv, working directory, environment and stdin/stdout/stderr.
 
 JAX reads its settings from the environment when it is imported (JAX_*; TensorFlow imports it, through TF Lite),
 so a server serves only launches with its own JAX_* variables (the test settings). XLA reads XLA_FLAGS when a
@@ -44,12 +44,19 @@ import types
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELOAD = ("numpy", "ml_dtypes", "jax", "tensorflow", "flax", "optax", "absl.app", "absl.flags", "absl.logging",
-           "gin")
+           "gin",
+           # the library every entry point imports (t5x_like.cli: the data, model, recipes, orbax; the trainer):
+           # 0.6 s of each launch's imports on an idle 2-core AVX2 EPYC, about 1 s in the suite. Not an entry point
+           # itself (train, evaluate... define their flags at import: runpy runs them afresh as __main__), and not
+           # lm-eval, Beam or matplotlib, whose packages read variables (HF_*, MPL*) at import that AT_IMPORT
+           # does not hold.
+           "t5x_like.cli", "t5x_like.training.trainer")
 # environment variables read when the servers' modules are imported (Python, the allocator, numpy and its BLAS,
-# TensorFlow, JAX, Flax, absl, gin): a launch must hold the values its server started with. Not KMP_*: no Intel
-# OpenMP runtime is loaded by them (scikit-learn, which lm-eval imports in a test process, sets KMP_DUPLICATE_LIB_OK).
-AT_IMPORT = ("PYTHON", "LD_", "MALLOC_", "T5X_LIKE_HOST_ALLOCATOR", "OMP_", "OPENBLAS_", "GOTO", "MKL_", "NPY_",
-             "NUMPY_", "TF_", "JAX_", "FLAX_", "ABSL_", "GIN_", "XLA_PYTHON_", "CUDA", "TPU_")
+# TensorFlow, JAX, Flax, absl, gin, t5x_like's hardware catalogue): a launch must hold the values its server started
+# with. Not KMP_*: no Intel OpenMP runtime is loaded by them (scikit-learn, which lm-eval imports in a test process,
+# sets KMP_DUPLICATE_LIB_OK).
+AT_IMPORT = ("PYTHON", "LD_", "MALLOC_", "T5X_LIKE_HOST_ALLOCATOR", "T5X_LIKE_HARDWARE", "OMP_", "OPENBLAS_", "GOTO",
+             "MKL_", "NPY_", "NUMPY_", "TF_", "JAX_", "FLAX_", "ABSL_", "GIN_", "XLA_PYTHON_", "CUDA", "TPU_")
 JEMALLOC_KEYS = ("LD_PRELOAD", "MALLOC_CONF", "T5X_LIKE_HOST_ALLOCATOR_RESTARTED")  # what the restart adds
 HEADER = struct.Struct("!Q")
 

@@ -86,3 +86,13 @@ def test_a_variable_no_server_module_reads_is_served():
   reads, and no server module loads it: launches after such a test stay served."""
   proc = forkserver.Popen(PROBE, cwd=forkserver.REPO, env=env(KMP_DUPLICATE_LIB_OK="True"), stdout=subprocess.DEVNULL)
   assert isinstance(proc, forkserver.Launched) and proc.wait(timeout=120) == 3
+
+
+def test_a_variable_the_preloaded_library_reads_gets_a_plain_process(tmp_path):
+  """t5x_like.observe.hardware, which the servers import with t5x_like.cli (forkserver.PRELOAD), reads
+  T5X_LIKE_HARDWARE at import: a launch that sets it gets a plain process, whose import reads its value."""
+  proc = forkserver.Popen(PROBE, cwd=forkserver.REPO, env=env(T5X_LIKE_HARDWARE=str(tmp_path / "hardware.json")),
+                          stdout=subprocess.DEVNULL)
+  assert not isinstance(proc, forkserver.Launched)
+  proc.kill()
+  proc.wait(timeout=60)
