@@ -198,8 +198,8 @@ def test_a_tracker_that_cannot_start_is_left_out(tmp_path, caplog, monkeypatch):
 
 def check_sweep_trackers(report, store, sweep_dir, steps) -> None:
   """observe.ObserveConfig.trackers=('tensorboard', 'mlflow', 'wandb') through train, checked on a finished sweep
-  (tests/test_sweep's uninterrupted 2×2 sweep, which logs to both): each run is an MLflow run in the experiment named
-  after the sweep's folder, with the final losses metrics.jsonl has, the gin config and config.gin, and an offline
+  (tests/test_sweep's uninterrupted two-run sweep, which logs to both): each run is an MLflow run in the experiment
+  named after the sweep's folder, with the final losses metrics.jsonl has, the gin config and config.gin, and an offline
   W&B run under its MODEL_DIR with every logged figure of metrics.jsonl at its step."""
   client = mlflow.tracking.MlflowClient(store)
   runs = client.search_runs([client.get_experiment_by_name(os.path.basename(sweep_dir)).experiment_id])
