@@ -200,6 +200,36 @@ def test_read_only_model_dir_is_a_clear_error_and_loses_nothing(tmp_path):
   assert checkpoints.restore_latest(manager, {"w": np.zeros(4, np.float32)})[0] == 1
 
 
+def state_around(mesh_shape, opt_config, abstract, params):
+  """train_state.state_around on `mesh_shape` with `opt_config`'s optimizer, laid out as `abstract`."""
+  tx = optimizer_lib.make_optimizer(opt_config, 10)
+  with jax.set_mesh(mesh_lib.create_mesh(mesh_shape)), nn.logical_axis_rules(partitioning.DEFAULT_RULES):
+    return train_state_lib.state_around(params, tx, jax.tree.map(lambda a: a.sharding, abstract))
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+def test_a_state_around_given_parameters_is_init_states_with_them(name):
+  """A warm start's fresh state (no random initialisation to replace) equals init_state's with its parameters
+  replaced, on a sharded layout: the same optimizer state (Adafactor's factored moments too), step, layout."""
+  opt_config = optimizer_lib.OptimizerConfig(name=name)
+  tx = optimizer_lib.make_optimizer(opt_config, 10)
+  mesh = mesh_lib.create_mesh(FSDP4_TENSOR2)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.DEFAULT_RULES):
+    model = model_lib.GPT(CONFIG)
+    abstract, shardings = train_state_lib.state_shardings(model, tx, mesh)
+    init, _ = train_state_lib.init_state(model, tx, jax.random.key(4), mesh)
+  params = sharded_state(DATA8, seed=3)[0].params  # another layout's: resharded by the restore in a warm start
+  params = jax.device_put(params, shardings.params)
+  state = state_around(FSDP4_TENSOR2, opt_config, checkpoints.abstract_with_shardings(abstract, shardings),
+                       jax.tree.map(jnp.copy, params))
+  assert_trees_equal(state.params, params)
+  assert_trees_equal(state.opt_state, init.opt_state)
+  assert int(state.step) == 0 and state.loss_scale is None
+  assert jax.tree.structure(state) == jax.tree.structure(init)
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(init)):
+    assert a.sharding == b.sharding and a.dtype == b.dtype
+
+
 def test_warm_start_takes_params_and_optionally_optimizer_state(tmp_path):
   source, _ = sharded_state(DATA8, seed=3)
   # a trained-looking optimizer state (non-zero moments), so taking it or not is visible
@@ -209,12 +239,13 @@ def test_warm_start_takes_params_and_optionally_optimizer_state(tmp_path):
   checkpoints.save(manager, 9, source)
   fresh, abstract = sharded_state(FSDP4_TENSOR2, seed=4)
   fresh_opt = jax.device_get(fresh.opt_state)
-  warm = fault_tolerance.warm_start(fresh, str(tmp_path), abstract, with_optimizer=False)
+  around = functools.partial(state_around, FSDP4_TENSOR2, optimizer_lib.OptimizerConfig(), abstract)
+  warm = fault_tolerance.warm_start(str(tmp_path), abstract, False, around)
   assert_trees_equal(warm.params, source.params)
-  assert_trees_equal(warm.opt_state, fresh_opt)  # a fresh optimizer: nothing taken from the source
+  assert_trees_equal(warm.opt_state, fresh_opt)  # a fresh optimizer (init_state's): nothing taken from the source
   assert int(warm.step) == 0
   path = os.path.join(checkpoints.checkpoint_dir(str(tmp_path)), "9")
-  warm = fault_tolerance.warm_start(fresh, path, abstract, with_optimizer=True)
+  warm = fault_tolerance.warm_start(path, abstract, True, around)
   assert_trees_equal(warm.params, source.params)
   assert_trees_equal(warm.opt_state, source.opt_state)  # the source's moments and counts, resharded
   assert int(warm.step) == 0

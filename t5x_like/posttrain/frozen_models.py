@@ -170,9 +170,9 @@ class FrozenModels:
   def warm_start(self, path: str, abstract, with_optimizer: bool):
     """A fresh TrainState with the parameters (and optionally optimizer state) of checkpoint `path`; a score
     head the checkpoint lacks keeps its fresh value."""
-    state = self.init_state()
     if not self.missing_score_head(path):
-      return fault_tolerance.warm_start(state, path, abstract, with_optimizer)
+      return fault_tolerance.warm_start(path, abstract, with_optimizer, self.state_around)
+    state = self.init_state()
     if with_optimizer:
       raise ValueError(f"CheckpointConfig.warm_start_optimizer=True with {path}, which has no score head: its "
                        "optimizer state does not fit a reward model; set it False")

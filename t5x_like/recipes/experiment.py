@@ -88,6 +88,7 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
           self.model, self.tx, self.mesh, self.rules, loss_scale=self.initial_loss_scale(),
           trainable=config.trainable_regex, params_fn=self.params_fn)
     self.trainable_paths = trainable_lib.trainable_paths(self.abstract_state.params, config.trainable_regex)
+    self.device_state_shardings = self.state_shardings  # where a fresh state is built (then moved, if offloaded)
     if config.offload_optimizer:
       self.state_shardings = offload.offload_shardings(self.state_shardings)
 
@@ -178,8 +179,17 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     with self.context():
       state, _ = train_state_lib.init_state(self.model, self.tx, jax.random.key(self.config.seed), self.mesh,
                                             self.rules, loss_scale=self.initial_loss_scale(),
-                                            trainable=self.config.trainable_regex, params_fn=self.params_fn)
+                                            trainable=self.config.trainable_regex, params_fn=self.params_fn,
+                                            shardings=self.device_state_shardings)
     return jax.device_put(state, self.state_shardings)  # a no-op unless the optimizer state is offloaded
+
+  def state_around(self, params):
+    """The fresh TrainState holding `params` (the state's parameters, laid out as it lays them out; consumed):
+    init_state's, without its random initialisation (train_state.state_around)."""
+    with self.context():
+      state = train_state_lib.state_around(params, self.tx, self.device_state_shardings, self.initial_loss_scale(),
+                                           self.config.trainable_regex)
+    return jax.device_put(state, self.state_shardings)
 
   def fresh_state(self, warm_start_path: str = "", with_optimizer: bool = False):
     """The state a fresh run starts from: initialised, or warm-started from `warm_start_path`; then the parameters

@@ -307,24 +307,23 @@ class RunGuard:
                       f"{self.manager.directory}/{step}; relaunch the same command to resume")
 
 
-def warm_start(state, source: str, abstract_state, with_optimizer: bool):
-  """`state` with the parameters (and optionally optimizer state) of another run's checkpoint; step 0.
+def warm_start(source: str, abstract_state, with_optimizer: bool, around: Callable):
+  """A fresh TrainState (step 0) with the parameters (and optionally optimizer state) of another run's checkpoint.
 
   Args:
-    state: this run's freshly initialised TrainState (sharded).
     source: the other run's MODEL_DIR (newest step) or one of its `checkpoints/<step>` directories.
     abstract_state: this run's ShapeDtypeStructs with shardings: the source is resharded onto them.
     with_optimizer: also take the source's optimizer state (it must have the same structure).
+    around: params → this run's fresh TrainState holding them (Experiment.state_around): nothing is initialised
+      at random only to be replaced.
   """
   if with_optimizer:
     step, params, opt_state = checkpoints.restore_params(source, abstract_params=abstract_state.params,
                                                          with_opt_state_of=abstract_state.opt_state)
-    state = state.replace(params=params, opt_state=opt_state)
+    state = around(params).replace(opt_state=opt_state)
   else:
     step, params = checkpoints.restore_params(source, abstract_params=abstract_state.params)
-    state = state.replace(params=params)
+    state = around(params)
   logging.info("warm start: parameters%s from %s step %d", " and optimizer state" if with_optimizer else "",
                source, step)
   return state
-
-

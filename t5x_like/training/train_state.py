@@ -60,16 +60,32 @@ def state_shardings(model, tx, mesh, rules=partitioning.DEFAULT_RULES, seq_len: 
 
 
 def init_state(model, tx, rng, mesh, rules=partitioning.DEFAULT_RULES, seq_len: int = 1, loss_scale=None,
-               trainable: str = ".*", params_fn: Optional[Callable] = None):
+               trainable: str = ".*", params_fn: Optional[Callable] = None, shardings=None):
   """Initialises the TrainState directly into its shardings (jit with out_shardings).
 
   Must run under `jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)` so the model's activation
-  constraints resolve.
+  constraints resolve. `shardings`: what `state_shardings` gave for the same arguments, if the caller has it
+  (it is not traced again).
   """
-  _, shardings = state_shardings(model, tx, mesh, rules, seq_len, loss_scale, trainable, params_fn)
+  if shardings is None:
+    _, shardings = state_shardings(model, tx, mesh, rules, seq_len, loss_scale, trainable, params_fn)
   init = jax.jit(lambda r: partitioning.unbox(_boxed_init(model, tx, r, seq_len, loss_scale, trainable, params_fn)),
                  out_shardings=shardings)
   return init(rng), shardings
+
+
+def state_around(params, tx, shardings, loss_scale=None, trainable: str = ".*"):
+  """The fresh TrainState (step 0, a fresh optimizer state, `loss_scale`) holding `params`, laid out by
+  `shardings` (state_shardings'): a warm start's, without the random initialisation it would replace (the model
+  is not traced; `params` are consumed). Equal to init_state's with its parameters replaced by `params`, as no
+  optimizer of optimizer.OPTIMIZERS starts from its parameters' values (one that did would start from these)."""
+  paths = trainable_lib.trainable_paths(params, trainable)
+
+  def fresh(params):
+    opt_state = tx.init(trainable_lib.trainable_part(params, paths))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, loss_scale=loss_scale)
+
+  return jax.jit(fresh, out_shardings=shardings, donate_argnums=0)(params)
 
 
 def bytes_per_device(abstract_tree, shardings) -> int:
