@@ -16,6 +16,8 @@ itself), the exit status (-9 for a SIGKILL), jemalloc as the allocator (the serv
 entry points do, and its launches inherit it), atexit handlers and the join of non-daemon threads at exit (a launch
 leaves the server's code before it runs the module: nothing of the server is on its stack). Two servers take turns,
 so two consecutive launches (a run and its relaunch) never share a string-hash seed or numpy's global random state.
+What differs: a launch that finishes (or exits through SystemExit) skips the interpreter's teardown of its modules
+(`exit_launch`: 1.1-1.3 s a launch).
 
 Not served (`Popen` starts a plain process instead): anything but `python -m t5x_like.…` or a script under tests/,
 a stdin or keyword other than the defaults, or an environment that differs from the server's in a variable its
@@ -166,7 +168,38 @@ def server_main(path: str) -> None:
   import importlib  # pylint: disable=g-import-not-at-top
   for name in PRELOAD:
     importlib.import_module(name)
-  run_launch(serve(path))
+  request = serve(path)
+  try:
+    run_launch(request)
+    code = 0
+  except SystemExit as e:  # any other exception leaves as Python leaves (its traceback, status 1)
+    code = _exit_status(e)
+  exit_launch(code)
+
+
+def _exit_status(e: SystemExit) -> int:
+  """The exit status Python gives SystemExit(e.code), printing a code that is not a number as it does."""
+  if e.code is None:
+    return 0
+  if isinstance(e.code, int):
+    return e.code
+  print(e.code, file=sys.stderr)
+  return 1
+
+
+def exit_launch(code: int) -> None:
+  """Ends a launch whose module has finished as the interpreter would (its non-daemon threads joined, then its
+  atexit handlers, then its output flushed) without the interpreter's teardown of every module TensorFlow and JAX
+  loaded: 1.1-1.3 s of each launch of a 12-step run on an idle 2-core AVX2 EPYC (os._exit after the handlers:
+  0.2 s). Files a launch leaves open unflushed would lose their tail here, and in a killed run too."""
+  threading._shutdown()  # pylint: disable=protected-access  (what Py_FinalizeEx does first)
+  atexit._run_exitfuncs()  # pylint: disable=protected-access
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (OSError, ValueError):
+      pass
+  os._exit(code)  # pylint: disable=protected-access
 
 
 # ---------------------------------------------------------------------------------------------------- the client

@@ -1,9 +1,14 @@
-"""`python tests/forkserver_probe.py CODE`: prints what a launch sees of its process as JSON, then exits with CODE
+"""`python tests/forkserver_probe.py CODE`: prints what a launch sees of its process as JSON, then exits with CODE,
+printing "thread" from a non-daemon thread still running at the exit and then "atexit" from an atexit handler
 (tests/test_forkserver.py compares a launch through the fork server with a plain one)."""
 
+import atexit
+import io
 import json
 import os
 import sys
+import threading
+import time
 
 import jax
 
@@ -16,6 +21,10 @@ def main():
       "level_0": jax.config.read("jax_disable_most_optimizations"), "hash": hash("t5x_like"),
       "jemalloc": "libjemalloc" in open("/proc/self/maps", encoding="utf-8").read(),
       "main": sys.modules["__main__"].__file__ == os.path.abspath(__file__)}))
+  # block-buffered whatever PYTHONUNBUFFERED says: the last two lines come out only if the exit flushes sys.stdout
+  sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)))
+  atexit.register(print, "atexit")
+  threading.Thread(target=lambda: (time.sleep(0.3), print("thread"))).start()
   sys.exit(int(sys.argv[1]))
 
 

@@ -25,13 +25,15 @@ def user_env() -> dict:
 
 def probe(run) -> dict:
   assert run.returncode == 3 and run.stderr == "to stderr\n", (run.returncode, run.stderr[-2000:])
-  return json.loads(run.stdout)
+  first, *exit_lines = run.stdout.splitlines()
+  return dict(json.loads(first), exit_lines=exit_lines)
 
 
 def test_a_served_launch_sees_what_a_plain_launch_sees():
   """The same argv, sys.argv, working directory, sys.path[0], environment (XLA_FLAGS read by this launch's own
   backend: 3 devices where the test process has 8; JAX's settings: the test settings' optimisation off), __main__,
-  output streams and exit code; and jemalloc."""
+  output streams and exit code; at the exit, a non-daemon thread joined, then the atexit handlers, then the output
+  flushed (the served launch skips the interpreter's teardown: forkserver.exit_launch); and jemalloc."""
   served = forkserver.Popen(PROBE, cwd=forkserver.REPO, env=env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
   assert isinstance(served, forkserver.Launched)  # not a plain process
@@ -40,9 +42,10 @@ def test_a_served_launch_sees_what_a_plain_launch_sees():
   plain = probe(subprocess.run(PROBE, cwd=forkserver.REPO, env=env(), capture_output=True, text=True, timeout=120))
   assert forked["pid"] == served.pid != plain["pid"]
   assert forked["jemalloc"]  # the server's allocator, as an entry point's restart gives it
-  for key in ("argv", "orig_argv", "cwd", "path0", "probe", "devices", "level_0", "main"):
+  for key in ("argv", "orig_argv", "cwd", "path0", "probe", "devices", "level_0", "main", "exit_lines"):
     assert forked[key] == plain[key], (key, forked[key], plain[key])
   assert forked["devices"] == 3 and forked["main"] and forked["level_0"]
+  assert forked["exit_lines"] == ["thread", "atexit"]
 
 
 def test_kill_9_reaches_the_launch_and_its_status_is_popens():
