@@ -48,7 +48,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELOAD = ("numpy", "ml_dtypes", "jax", "tensorflow", "flax", "optax", "absl.app", "absl.flags", "absl.logging",
            "gin",
            # the library every entry point imports (t5x_like.cli: the data, model, recipes, orbax; the trainer):
-           # 0.6 s of each launch's imports on an idle 2-core AVX2 EPYC, about 1 s in the suite. Not an entry point
+           # 0.6 s of each launch's imports on an idle 2-core AVX2 EPYC (more on a busy one). Not an entry point
            # itself (train, evaluate... define their flags at import: runpy runs them afresh as __main__), and not
            # lm-eval, Beam or matplotlib, whose packages read variables (HF_*, MPL*) at import that AT_IMPORT
            # does not hold.
