@@ -230,6 +230,23 @@ def test_a_state_around_given_parameters_is_init_states_with_them(name):
     assert a.sharding == b.sharding and a.dtype == b.dtype
 
 
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+def test_state_shardings_from_the_runtimes_boxed_parameters_equal_the_models_own(name):
+  """state_shardings given the model's abstract boxed parameters (Runtime.boxed_params, not traced again) gives
+  the abstract state and shardings it gives by tracing the model's init: Adafactor's factored moments replicated."""
+  tx = optimizer_lib.make_optimizer(optimizer_lib.OptimizerConfig(name=name), 10)
+  mesh = mesh_lib.create_mesh(FSDP4_TENSOR2)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.DEFAULT_RULES):
+    model = model_lib.GPT(CONFIG)
+    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+    traced = train_state_lib.state_shardings(model, tx, mesh, trainable=".*(attn|mlp).*")
+    given = train_state_lib.state_shardings(model, tx, mesh, trainable=".*(attn|mlp).*", boxed_params=boxed)
+  assert jax.tree.structure(given) == jax.tree.structure(traced)
+  for a, b in zip(jax.tree.leaves(given), jax.tree.leaves(traced)):
+    assert a == b
+  assert any(s.spec != jax.sharding.PartitionSpec() for s in jax.tree.leaves(given[1].opt_state))  # sharded moments
+
+
 def test_warm_start_takes_params_and_optionally_optimizer_state(tmp_path):
   source, _ = sharded_state(DATA8, seed=3)
   # a trained-looking optimizer state (non-zero moments), so taking it or not is visible

@@ -86,7 +86,8 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     with self.context():
       self.abstract_state, self.state_shardings = train_state_lib.state_shardings(
           self.model, self.tx, self.mesh, self.rules, loss_scale=self.initial_loss_scale(),
-          trainable=config.trainable_regex, params_fn=self.params_fn)
+          trainable=config.trainable_regex, params_fn=self.params_fn,
+          boxed_params=None if self.params_fn else self.boxed_params)
     self.trainable_paths = trainable_lib.trainable_paths(self.abstract_state.params, config.trainable_regex)
     self.device_state_shardings = self.state_shardings  # where a fresh state is built (then moved, if offloaded)
     if config.offload_optimizer:

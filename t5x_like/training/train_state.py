@@ -30,6 +30,10 @@ def _boxed_init(model: nn.Module, tx: optax.GradientTransformation, rng, seq_len
     params = params_fn(rng)
   else:
     params = model.init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
+  return _boxed_state(params, tx, loss_scale, trainable)
+
+
+def _boxed_state(params, tx: optax.GradientTransformation, loss_scale=None, trainable: str = ".*"):
   paths = trainable_lib.trainable_paths(params, trainable)
   opt_state = replicate_reshaped(tx.init(trainable_lib.trainable_part(params, paths)))
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, loss_scale=loss_scale)
@@ -45,16 +49,21 @@ def replicate_reshaped(opt_state):
 
 
 def state_shardings(model, tx, mesh, rules=partitioning.DEFAULT_RULES, seq_len: int = 1, loss_scale=None,
-                    trainable: str = ".*", params_fn: Optional[Callable] = None):
+                    trainable: str = ".*", params_fn: Optional[Callable] = None, boxed_params=None):
   """(abstract unboxed TrainState, matching tree of NamedShardings); nothing is allocated.
 
   The optimizer state inherits its parameter's logical names because optax maps over the boxes.
   `loss_scale`: the initial `precision.LossScaleState` (replicated), or None. `trainable`: the regex of
   the parameters that train (TrainConfig.trainable); only they get optimizer state. `params_fn`: rng →
-  boxed parameters, instead of `model.init` (LoRA: the adapters are the state's parameters).
+  boxed parameters, instead of `model.init` (LoRA: the adapters are the state's parameters). `boxed_params`:
+  `model`'s abstract boxed parameters, if the caller has them (Runtime.boxed_params; not with `params_fn`): the
+  model is not traced again.
   """
-  boxed = jax.eval_shape(lambda: _boxed_init(model, tx, jax.random.key(0), seq_len, loss_scale, trainable,
-                                             params_fn))
+  if boxed_params is not None and params_fn is None:
+    boxed = jax.eval_shape(lambda params: _boxed_state(params, tx, loss_scale, trainable), boxed_params)
+  else:
+    boxed = jax.eval_shape(lambda: _boxed_init(model, tx, jax.random.key(0), seq_len, loss_scale, trainable,
+                                               params_fn))
   shardings = partitioning.shardings_from_boxed(boxed, mesh, rules)
   return partitioning.unbox(boxed), shardings
 
