@@ -196,7 +196,7 @@ def test_sweep_killed_mid_way_and_relaunched_gives_the_same_table(corpus, tmp_pa
 
   # The same sweep from the CLI on a copy of the finished sweep without its last run and report: the CLI skips the
   # finished run, trains the last and is killed -9 (with its training child) once that run has logged
-  # step 8 (checkpointed at 4); the relaunch skips them again and resumes the last run from its checkpoint.
+  # step 8 (checkpointed at 4); the relaunch skips it again and resumes the last run from its checkpoint.
   interrupted = str(tmp_path / "interrupted")
   last = os.path.join(interrupted, rows[-1]["run"])
   shutil.copytree(reference, interrupted, ignore=lambda folder, names: [
