@@ -88,12 +88,7 @@ def state_around(params, tx, shardings, loss_scale=None, trainable: str = ".*"):
   `shardings` (state_shardings'): a warm start's, without the random initialisation it would replace (the model
   is not traced; `params` are consumed). Equal to init_state's with its parameters replaced by `params`, as no
   optimizer of optimizer.OPTIMIZERS starts from its parameters' values (one that did would start from these)."""
-  paths = trainable_lib.trainable_paths(params, trainable)
-
-  def fresh(params):
-    opt_state = tx.init(trainable_lib.trainable_part(params, paths))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, loss_scale=loss_scale)
-
+  fresh = lambda params: _boxed_state(params, tx, loss_scale, trainable)  # unboxed params: replicate_reshaped no-op
   return jax.jit(fresh, out_shardings=shardings, donate_argnums=0)(params)
 
 
