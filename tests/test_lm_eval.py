@@ -120,6 +120,15 @@ def test_unknown_task_empty_folder_missing_field_and_too_many_shots_are_one_line
     lm_tasks.task_manager(["ends"], folder)
 
 
+def test_every_kind_of_name_lm_eval_registers_passes_the_quick_unknown_check():
+  """task_manager refuses a name written in none of lm-eval's task files without indexing them (about 9 s); a
+  task, a group, and tags written only in included files (one named `_..._yaml`, one without an extension) pass."""
+  text = lm_tasks._lm_eval_task_text()  # pylint: disable=protected-access
+  for name in ("hellaswag", "mmlu", "acp_bench", "mafand_tasks"):
+    assert name.encode() in text, name
+  assert b"nope_not_a_task" not in text
+
+
 def _corpus_task(folder):
   """A multiple-choice task over the shared test corpus's sentences (tests/conftest.write_corpus)."""
   rows = [{"context": "every host", "choices": [" restores tokens.", " blue sky."], "label": 0},

@@ -6,6 +6,7 @@ Data files named relative to a YAML's folder (`data_files: {test: items.jsonl}`)
 folder is staged into a temporary copy whose YAMLs name absolute paths (lm-eval itself resolves against the cwd).
 """
 
+import functools
 import os
 import re
 import shutil
@@ -97,16 +98,39 @@ def task_manager(names: Sequence[str], task_dir: Optional[str] = None):
   if not names:
     raise ValueError("--tasks is empty: name at least one task")
   staged = stage_task_dir(task_dir) if task_dir else None
-  if staged:
-    local = TaskManager(include_path=staged, include_defaults=False)
-    if all(name in local.all_tasks for name in names):
-      return local
+  local = TaskManager(include_path=staged, include_defaults=False) if staged else None
+  if local and all(name in local.all_tasks for name in names):
+    return local
+
+  def refuse(unknown):
+    where = f"--task_dir={task_dir} nor " if task_dir else ""
+    return ValueError(f"unknown task {unknown[0]!r}: not in {where}lm-eval's tasks (python -m lm_eval ls tasks)")
+
+  # a name written in none of lm-eval's task files is none of its tasks: refused without indexing them all
+  unknown = [name for name in names if not (local and name in local.all_tasks)
+             and name.encode() not in _lm_eval_task_text()]
+  if unknown:
+    raise refuse(unknown)
   manager = TaskManager(include_path=staged)
   unknown = [name for name in names if name not in manager.all_tasks]
   if unknown:
-    where = f"--task_dir={task_dir} nor " if task_dir else ""
-    raise ValueError(f"unknown task {unknown[0]!r}: not in {where}lm-eval's tasks (python -m lm_eval ls tasks)")
+    raise refuse(unknown)
   return manager
+
+
+@functools.lru_cache(maxsize=1)
+def _lm_eval_task_text() -> bytes:
+  """The text of every file in lm-eval's task tree but its Python, joined. Each name lm-eval registers (a task, a
+  group or a tag) is written in one of them: in a YAML, or in a file a YAML includes, whatever its name. Reading
+  them takes about 0.6 s, against about 9 s for a TaskManager to index them (2-core AVX2 EPYC, lm-eval 0.4.13)."""
+  import lm_eval.tasks  # pylint: disable=g-import-not-at-top
+  texts = []
+  for folder, _, files in os.walk(os.path.dirname(lm_eval.tasks.__file__)):
+    for name in files:
+      if not name.endswith((".py", ".pyc")):
+        with open(os.path.join(folder, name), "rb") as f:
+          texts.append(f.read())
+  return b"\n".join(texts)
 
 
 def _data_file(task) -> str:
