@@ -289,10 +289,29 @@ def test_trainer_reads_the_order_and_its_window(dirs):
   tiny = model_lib.GPTConfig(num_layers=1, num_heads=2, d_model=16, d_ff=32, max_len=16, dtype="float32")
   config = config_lib.TrainConfig(model_dir="unused", data_dir=d, train_steps=1, batch_size=8, seq_len=SEQ,
                                   mesh_shape={"data": -1}, data=data_lib.DataConfig(shuffle_buffer=64))
-  exp = experiment_lib.Experiment(config, tiny, optimizer_lib.OptimizerConfig())
   for window in (0, 4):
-    exp.config = dataclasses.replace(config, data=data_lib.DataConfig(shuffle_buffer=64, order_window=window))
+    exp = experiment_lib.Experiment(
+        dataclasses.replace(config, data=data_lib.DataConfig(shuffle_buffer=64, order_window=window)), tiny,
+        optimizer_lib.OptimizerConfig())
     got = [b["inputs"].numpy() for b in exp.dataset("train", shuffle=True, repeat=False).take(3)]
     want = [b["inputs"] for b in batches(d, n=3, batch_size=8, order_window=window)]
     np.testing.assert_array_equal(np.stack(got), np.stack(want))
   assert not np.array_equal(got, [b["inputs"] for b in batches(d, n=3, batch_size=8)])
+
+
+def test_a_runs_training_pipeline_is_built_once_and_each_iteration_starts_afresh(dirs, monkeypatch):
+  """validate() builds the pipeline train() reads (its checks, and its tf.data functions traced once per run);
+  each iter() of it starts from the first batch."""
+  d, _ = dirs["length"]
+  tiny = model_lib.GPTConfig(num_layers=1, num_heads=2, d_model=16, d_ff=32, max_len=16, dtype="float32")
+  config = config_lib.TrainConfig(model_dir="unused", data_dir=d, train_steps=1, batch_size=8, seq_len=SEQ,
+                                  mesh_shape={"data": -1}, data=data_lib.DataConfig(shuffle_buffer=64))
+  exp = experiment_lib.Experiment(config, tiny, optimizer_lib.OptimizerConfig())
+  built = []
+  make = ip.make_dataset
+  monkeypatch.setattr(ip, "make_dataset", lambda *a, **k: built.append(k) or make(*a, **k))
+  exp.validate()
+  ds = exp.dataset("train", shuffle=True, repeat=True)
+  assert len(built) == 1 and built[0]["shuffle"] and built[0]["repeat"]
+  first, again = ([b["inputs"].numpy() for b in ds.take(2)] for _ in range(2))
+  np.testing.assert_array_equal(np.stack(first), np.stack(again))

@@ -67,6 +67,7 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     self.batch_sharding = partitioning.batch_sharding(self.mesh, self.rules)
     self.frozen, self.frozen_shardings = {}, {}
     self._eval_datasets = {}  # (split, repeat, data_dir) → its tf.data pipeline, built (traced) once per run
+    self._datasets = {}  # (split, shuffle, repeat) → this process's training-data pipeline, built once per run
     self.loaded = {}  # {frozen model name: the checkpoints/<step> directory it was read from}
     self._frozen_layouts, self._parts = {}, {}
     self.lora = config.lora if config.use_lora else None
@@ -155,7 +156,7 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     Raises:
       ValueError: the first problem, in one line naming the file, key or value.
     """
-    self.dataset("train", shuffle=False, repeat=False)  # every stream has records
+    self.dataset("train", shuffle=True, repeat=True)  # every stream has records; the pipeline train() reads
     ckpt = self.config.checkpoint
     if not resuming:
       if ckpt.warm_start_required and not ckpt.warm_start_from:
@@ -208,7 +209,14 @@ class Experiment(runtime_lib.Runtime, frozen_models.FrozenModels):
     return checkpointing.abstract_with_shardings(self.abstract_state, self.state_shardings)
 
   def dataset(self, split: str, *, shuffle: bool, repeat: bool):
-    """This process's rows of every global batch (see global_batch.process_rows)."""
+    """This process's rows of every global batch (see global_batch.process_rows). Built (its functions traced) once
+    per run: each iter() of it starts a fresh iterator, as a new pipeline's would."""
+    key = (split, shuffle, repeat)
+    if key not in self._datasets:
+      self._datasets[key] = self._make_dataset(split, shuffle, repeat)
+    return self._datasets[key]
+
+  def _make_dataset(self, split: str, shuffle: bool, repeat: bool):
     if self.manifest is None:
       raise ValueError(_NO_DATA_DIR)
     num_streams = self.config.data.data_streams or jax.process_count()
