@@ -71,6 +71,30 @@ def test_param_count_equals_the_initialised_model(model_file):
   assert counted == expected
 
 
+def test_a_runtime_and_the_flops_count_share_one_abstract_init(monkeypatch):
+  """A runtime's abstract parameters are the model's traced on its mesh (the same tree, shapes and axis names as a
+  direct eval_shape there), and count_params of its config (the FLOPs count of a launch) needs no second trace; a
+  caller that edits its tree leaves the cached one as it was."""
+  from t5x_like.training import config as config_lib  # pylint: disable=g-import-not-at-top
+  from t5x_like.training import runtime as runtime_lib  # pylint: disable=g-import-not-at-top
+  cfg = model.GPTConfig(vocab_size=96, num_layers=2, num_heads=2, d_model=24, d_ff=40, max_len=16, dtype="float32")
+  runtime = runtime_lib.Runtime(config_lib.TrainConfig(model_dir="unused", seq_len=16, mesh_shape={"data": 2, "fsdp": 4}),
+                                cfg)
+  traces = []
+  call = model.GPT.__call__
+  monkeypatch.setattr(model.GPT, "__call__", lambda *a, **k: traces.append(1) or call(*a, **k))
+  boxed = runtime.boxed_params
+  with runtime.context():
+    direct = jax.eval_shape(lambda: model.GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+  describe = lambda tree: jax.tree.map(lambda b: (b.value.shape, b.value.dtype, b.names), tree,
+                                       is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  assert describe(boxed) == describe(direct)
+  assert model.count_params(cfg) == sum(x.size for x in jax.tree.leaves(direct))
+  assert len(traces) == 2  # the runtime's and the direct one: none for the count
+  boxed.pop("token_embedding")
+  assert "token_embedding" in runtime.boxed_params_of(model.GPT(cfg))
+
+
 def test_sharded_state_follows_the_rules():
   full = memory_model.param_elements_per_device(GPT2, memory_model.Layout(data=8))
   assert full == model.count_params(GPT2)

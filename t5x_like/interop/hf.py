@@ -20,7 +20,6 @@ from typing import Iterator, Optional
 from absl import logging
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import tensorflow as tf
@@ -171,8 +170,7 @@ def merged_params(path: str, metadata: dict) -> dict:
 
 def param_shapes(config: decoder.GPTConfig) -> dict:
   """Our parameter tree as ShapeDtypeStructs (an abstract init: nothing is allocated)."""
-  boxed = jax.eval_shape(lambda: decoder.GPT(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
-  return nn.meta.unbox(boxed["params"])
+  return nn.meta.unbox(decoder.abstract_params(config))
 
 
 def _check_tensors(reader, entries: list, config, arch: str, hf_dir: str) -> None:

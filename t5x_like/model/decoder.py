@@ -3,6 +3,7 @@
 One model file for GPT-2 and Llama-family architectures: the config picks the norm, MLP, position
 encoding, key/value heads, biases and output head (see GPTConfig)."""
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -159,8 +160,12 @@ def moe_stats(state: dict):
 
 
 def count_params(config: GPTConfig) -> int:
-  """Exact parameter count from an abstract init (no memory is allocated; cached on the shape-fixing fields)."""
-  return _count_params_cached(shape_only(config))
+  """Exact parameter count from an abstract init (no memory is allocated; once per process for the fields that fix
+  parameter shapes, and none at all after `abstract_params` of a config with the same shapes)."""
+  key = shape_only(config)
+  if key not in _PARAM_COUNTS:
+    abstract_params(key)
+  return _PARAM_COUNTS[key]
 
 
 def shape_only(config: GPTConfig) -> GPTConfig:
@@ -169,7 +174,24 @@ def shape_only(config: GPTConfig) -> GPTConfig:
                              pipeline_repeats=1, attention_impl="reference", dtype="bfloat16")
 
 
+_PARAM_COUNTS = {}  # shape_only(config) → its parameter count (the stage layout of a pipeline reshapes, not adds)
+
+
+def abstract_params(config: GPTConfig, mesh=None, rules=None):
+  """GPT(config)'s parameters as ShapeDtypeStructs boxed with their logical axis names (nothing allocated), traced
+  on `mesh` under logical axis `rules` when given (a runtime's), once per (config, mesh, rules) and process: a
+  run's runtime, its frozen models of the same config and its FLOPs count (`count_params`) share one trace."""
+  boxed = _abstract_params_cached(config, mesh, None if rules is None else tuple(rules))
+  return jax.tree.map(lambda x: x, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))  # the caller's own dicts
+
+
 @functools.lru_cache(maxsize=32)
-def _count_params_cached(config: GPTConfig) -> int:
-  shapes = jax.eval_shape(lambda: GPT(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
-  return sum(int(x.size) for x in jax.tree.leaves(nn.meta.unbox(shapes)))
+def _abstract_params_cached(config: GPTConfig, mesh, rules):
+  with contextlib.ExitStack() as stack:
+    if mesh is not None:
+      stack.enter_context(jax.set_mesh(mesh))
+    if rules is not None:
+      stack.enter_context(nn.logical_axis_rules(rules))
+    boxed = jax.eval_shape(lambda: GPT(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+  _PARAM_COUNTS.setdefault(shape_only(config), sum(int(x.size) for x in jax.tree.leaves(boxed)))  # (boxes are nodes)
+  return boxed

@@ -129,14 +129,8 @@ class MemoryEstimate:
     return self.params + self.optimizer + self.grads + self.activations + self.working + self.inputs
 
 
-@functools.lru_cache(maxsize=32)
-def _boxed_params_cached(cfg: model_lib.GPTConfig):
-  init = lambda: model_lib.GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
-  return jax.eval_shape(init)
-
-
 def _boxed_params(cfg: model_lib.GPTConfig):
-  return _boxed_params_cached(model_lib.shape_only(cfg))
+  return model_lib.abstract_params(model_lib.shape_only(cfg))
 
 
 def layout_config(cfg: model_lib.GPTConfig, layout: Layout) -> model_lib.GPTConfig:

@@ -110,6 +110,8 @@ class Runtime:
 
   def boxed_params_of(self, model):
     """A model's abstract parameters on this mesh, boxed with their logical axis names (nothing allocated)."""
+    if type(model) is model_lib.GPT:  # pylint: disable=unidiomatic-typecheck  (a head or wrapper adds parameters)
+      return model_lib.abstract_params(model.config, self.mesh, self.rules)  # traced once per config and mesh
     with self.context():
       return jax.eval_shape(lambda: model.init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))["params"]
 
