@@ -15,20 +15,24 @@ from t5x_like.parallel import partitioning
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def _last_logits(params, tokens, *, config: model_lib.GPTConfig):
-  return model_lib.GPT(config).apply({"params": params}, tokens)[:, -1]  # (B, V)
+def _logits_at(params, tokens, at, *, config: model_lib.GPTConfig):
+  """(B, V) logits at column `at` of right-padded (B, max_len) tokens."""
+  logits = model_lib.GPT(config).apply({"params": params}, tokens)
+  return jax.lax.dynamic_index_in_dim(logits, at, axis=1, keepdims=False)
 
 
 def generate_by_recompute(params, tokens, *, config: model_lib.GPTConfig, max_new_tokens: int):
-  """(B, max_new_tokens) greedy tokens after unpadded prompts (B, P), without a cache. Compiles once per
-  sequence length; the compilations are cached across calls."""
-  seq = jnp.asarray(tokens)
-  out = []
-  for _ in range(max_new_tokens):
-    nxt = jnp.argmax(_last_logits(params, seq, config=config), axis=-1).astype(jnp.int32)
-    out.append(nxt)
-    seq = jnp.concatenate([seq, nxt[:, None]], axis=1)
-  return jnp.stack(out, axis=1)
+  """(B, max_new_tokens) greedy tokens after unpadded prompts (B, P), without a cache: every new token from a full
+  forward pass over the prompt and the tokens so far, right-padded to max_len (a causal model's logits at a
+  column depend on the tokens up to it only; an MoE model must be dropless for that), so one compile per config
+  and batch size serves every length."""
+  batch, length = np.shape(tokens)
+  seq = np.zeros((batch, config.max_len), np.int32)
+  seq[:, :length] = tokens
+  for i in range(max_new_tokens):
+    logits = _logits_at(params, seq, length - 1 + i, config=config)
+    seq[:, length + i] = np.asarray(jnp.argmax(logits, axis=-1))
+  return jnp.asarray(seq[:, length:length + max_new_tokens])
 
 
 def engine_tokens(config: model_lib.GPTConfig, params, prompts, max_new_tokens: int, *, mesh=None,
