@@ -5,17 +5,23 @@ import os
 
 import pytest
 
-beam = pytest.importorskip("apache_beam", reason="apache-beam is not installed (extra 'beam')")
+from t5x_like.data import preprocessing as pp
 
-from t5x_like.data import beam_runner as beam_preprocess  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t5x_like.data import preprocessing as pp  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+@pytest.fixture(scope="module")
+def beam_preprocess():
+  """t5x_like.data.beam_runner, imported by the test that runs it (Beam's import, ~3 s, is not paid at collection
+  by a test worker that never runs this file)."""
+  pytest.importorskip("apache_beam", reason="apache-beam is not installed (extra 'beam')")
+  from t5x_like.data import beam_runner  # pylint: disable=g-import-not-at-top
+  return beam_runner
 
 TESTDATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata")
 INPUTS = [os.path.join(TESTDATA, "sample.txt"), os.path.join(TESTDATA, "sample.jsonl")]
 
 
 @pytest.mark.parametrize("pack_length", [None, 33])
-def test_direct_runner_equals_local_runner(tmp_path, pack_length):
+def test_direct_runner_equals_local_runner(tmp_path, pack_length, beam_preprocess):
   kw = dict(vocab_size=500, doc_split="blank_line", num_train_shards=3, validation_fraction=0.2,
             num_workers=1, cache_dir=None, pack_length=pack_length, seed=7)
   extra = tmp_path / "dup.jsonl"  # duplicates and a bad line exercise the shared counting

@@ -13,8 +13,15 @@ import pytest
 from t5x_like.observe import trackers
 from t5x_like import observe
 
-mlflow = pytest.importorskip("mlflow")  # the test extra installs it (setup.py)
-wandb_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2")  # the test extra installs wandb too
+
+@pytest.fixture(autouse=True, scope="module")
+def tracker_packages():
+  """MLflow and W&B (the test extra installs them, setup.py), imported by this file's first test rather than at
+  collection (~4 s, paid by every test worker, most never running these tests)."""
+  pytest.importorskip("mlflow")
+  pytest.importorskip("wandb.proto.wandb_internal_pb2")
+
+
 WANDB_BLOCK = 32768  # a .wandb file is a LevelDB-style log: 32 KiB blocks of records with a 7-byte header
 
 CONFIG = """# Macros:
@@ -64,6 +71,7 @@ def test_a_missing_tracker_package_names_its_extra():
 def wandb_records(model_dir) -> list:
   """Every protobuf Record of the offline W&B runs under MODEL_DIR/wandb, in order: read from the files, as
   `wandb sync` would (header ':W&B', magic 0xBEE1, version 0; records FULL=1 or FIRST=2 .. LAST=4)."""
+  from wandb.proto import wandb_internal_pb2 as wandb_pb2  # pylint: disable=g-import-not-at-top
   records = []
   for path in sorted(glob.glob(os.path.join(model_dir, "wandb", "offline-run-*", "run-*.wandb"))):
     with open(path, "rb") as f:
@@ -138,6 +146,7 @@ def _log_run(model_dir, steps, **kwargs) -> list:
 
 
 def test_mlflow_run_read_back_has_params_metrics_and_config_artefact_and_a_relaunch_continues_it(tmp_path):
+  import mlflow  # pylint: disable=g-import-not-at-top
   model_dir = tmp_path / "run"
   model_dir.mkdir()
   (model_dir / "config.gin").write_text(CONFIG)
@@ -162,6 +171,7 @@ def test_mlflow_run_read_back_has_params_metrics_and_config_artefact_and_a_relau
 
 
 def test_a_tracking_uri_points_mlflow_elsewhere(tmp_path, monkeypatch):
+  import mlflow  # pylint: disable=g-import-not-at-top
   monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a file URI given by the user: their opt-in
   (tmp_path / "run").mkdir()
   store = "file:" + str(tmp_path / "server_store")
@@ -201,6 +211,7 @@ def check_sweep_trackers(report, store, sweep_dir, steps) -> None:
   (tests/test_sweep's uninterrupted two-run sweep, which logs to both): each run is an MLflow run in the experiment
   named after the sweep's folder, with the final losses metrics.jsonl has, the gin config and config.gin, and an offline
   W&B run under its MODEL_DIR with every logged figure of metrics.jsonl at its step."""
+  import mlflow  # pylint: disable=g-import-not-at-top
   client = mlflow.tracking.MlflowClient(store)
   runs = client.search_runs([client.get_experiment_by_name(os.path.basename(sweep_dir)).experiment_id])
   assert sorted(r.info.run_name for r in runs) == sorted(row["run"] for row in report["rows"])
