@@ -78,8 +78,10 @@ def test_a_runtime_and_the_flops_count_share_one_abstract_init(monkeypatch):
   from t5x_like.training import config as config_lib  # pylint: disable=g-import-not-at-top
   from t5x_like.training import runtime as runtime_lib  # pylint: disable=g-import-not-at-top
   cfg = model.GPTConfig(vocab_size=96, num_layers=2, num_heads=2, d_model=24, d_ff=40, max_len=16, dtype="float32")
-  runtime = runtime_lib.Runtime(config_lib.TrainConfig(model_dir="unused", seq_len=16, mesh_shape={"data": 2, "fsdp": 4}),
-                                cfg)
+  mesh_shape = {"data": 2, "fsdp": 4}
+  runtime = runtime_lib.Runtime(config_lib.TrainConfig(model_dir="unused", seq_len=16, mesh_shape=mesh_shape), cfg)
+  model._abstract_params_cached.cache_clear()  # pylint: disable=protected-access  (this process's earlier tests)
+  model._PARAM_COUNTS.clear()  # pylint: disable=protected-access
   traces = []
   call = model.GPT.__call__
   monkeypatch.setattr(model.GPT, "__call__", lambda *a, **k: traces.append(1) or call(*a, **k))
