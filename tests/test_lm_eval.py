@@ -120,13 +120,19 @@ def test_unknown_task_empty_folder_missing_field_and_too_many_shots_are_one_line
     lm_tasks.task_manager(["ends"], folder)
 
 
-def test_every_kind_of_name_lm_eval_registers_passes_the_quick_unknown_check():
+def test_every_kind_of_name_lm_eval_registers_passes_the_quick_unknown_check(monkeypatch, tmp_path):
   """task_manager refuses a name written in none of lm-eval's task files without indexing them (about 9 s); a
   task, a group, and tags written only in included files (one named `_..._yaml`, one without an extension) pass."""
   text = lm_tasks._lm_eval_task_text()  # pylint: disable=protected-access
   for name in ("hellaswag", "mmlu", "acp_bench", "mafand_tasks"):
     assert name.encode() in text, name
   assert b"nope_not_a_task" not in text
+  built = []  # the TaskManagers task_manager makes: none indexing lm-eval's own tasks for an unknown name
+  manager = lm_tasks.TaskManager
+  monkeypatch.setattr(lm_tasks, "TaskManager", lambda **kw: built.append(kw) or manager(**kw))
+  with pytest.raises(ValueError, match=r"unknown task 'nope_not_a_task'"):
+    lm_tasks.task_manager(["nope_not_a_task"], _mc_task(str(tmp_path / "tasks"), items=3))
+  assert built and all(kw.get("include_defaults") is False for kw in built), built
 
 
 def _corpus_task(folder):
