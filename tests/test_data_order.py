@@ -1,6 +1,5 @@
 """Easy-to-hard document order (preprocess --order_by): written sorted, read back in order, exact resume."""
 
-import dataclasses
 import json
 import os
 
@@ -283,16 +282,20 @@ def test_sorted_indices_and_parse_order_by():
 
 
 @pytest.mark.slow  # fast subset: the developer loop; CI runs it
+def _experiment(data_dir, order_window=0):
+  """An Experiment of a one-layer model over `data_dir` (batches of 8 rows of SEQ tokens)."""
+  tiny = model_lib.GPTConfig(num_layers=1, num_heads=2, d_model=16, d_ff=32, max_len=16, dtype="float32")
+  config = config_lib.TrainConfig(model_dir="unused", data_dir=data_dir, train_steps=1, batch_size=8, seq_len=SEQ,
+                                  mesh_shape={"data": -1},
+                                  data=data_lib.DataConfig(shuffle_buffer=64, order_window=order_window))
+  return experiment_lib.Experiment(config, tiny, optimizer_lib.OptimizerConfig())
+
+
 def test_trainer_reads_the_order_and_its_window(dirs):
   """Experiment.dataset (what the trainer iterates) keeps the order; DataConfig.order_window reaches the pipeline."""
   d, _ = dirs["length"]
-  tiny = model_lib.GPTConfig(num_layers=1, num_heads=2, d_model=16, d_ff=32, max_len=16, dtype="float32")
-  config = config_lib.TrainConfig(model_dir="unused", data_dir=d, train_steps=1, batch_size=8, seq_len=SEQ,
-                                  mesh_shape={"data": -1}, data=data_lib.DataConfig(shuffle_buffer=64))
   for window in (0, 4):
-    exp = experiment_lib.Experiment(
-        dataclasses.replace(config, data=data_lib.DataConfig(shuffle_buffer=64, order_window=window)), tiny,
-        optimizer_lib.OptimizerConfig())
+    exp = _experiment(d, window)
     got = [b["inputs"].numpy() for b in exp.dataset("train", shuffle=True, repeat=False).take(3)]
     want = [b["inputs"] for b in batches(d, n=3, batch_size=8, order_window=window)]
     np.testing.assert_array_equal(np.stack(got), np.stack(want))
@@ -302,11 +305,7 @@ def test_trainer_reads_the_order_and_its_window(dirs):
 def test_a_runs_training_pipeline_is_built_once_and_each_iteration_starts_afresh(dirs, monkeypatch):
   """validate() builds the pipeline train() reads (its checks, and its tf.data functions traced once per run);
   each iter() of it starts from the first batch."""
-  d, _ = dirs["length"]
-  tiny = model_lib.GPTConfig(num_layers=1, num_heads=2, d_model=16, d_ff=32, max_len=16, dtype="float32")
-  config = config_lib.TrainConfig(model_dir="unused", data_dir=d, train_steps=1, batch_size=8, seq_len=SEQ,
-                                  mesh_shape={"data": -1}, data=data_lib.DataConfig(shuffle_buffer=64))
-  exp = experiment_lib.Experiment(config, tiny, optimizer_lib.OptimizerConfig())
+  exp = _experiment(dirs["length"][0])
   built = []
   make = ip.make_dataset
   monkeypatch.setattr(ip, "make_dataset", lambda *a, **k: built.append(k) or make(*a, **k))
