@@ -15,10 +15,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 # `python -m t5x_like.<entry point>`: jemalloc as the host allocator where it is installed, loaded by restarting the
-# process before anything else is imported (parallel/host_allocator.py; T5X_LIKE_HOST_ALLOCATOR=glibc opts out).
+# process before anything else is imported (parallel/host_allocator.py; T5X_LIKE_HOST_ALLOCATOR=glibc opts out);
+# then the garbage collector's thresholds raised before the imports allocate (garbage_collector.py).
 if "-m" in sys.orig_argv[:-1] and sys.orig_argv[sys.orig_argv.index("-m") + 1].startswith("t5x_like."):
   from t5x_like import jemalloc as _jemalloc  # pylint: disable=g-import-not-at-top
   _jemalloc.preload_jemalloc()
+  from t5x_like import garbage_collector as _garbage_collector  # pylint: disable=g-import-not-at-top
+  _garbage_collector.quiet_garbage_collector()
 
 
 class _TensorFlowWithoutKeras(importlib.abc.MetaPathFinder):

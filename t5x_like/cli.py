@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from t5x_like import data
 from t5x_like import errors
+from t5x_like import garbage_collector
 from t5x_like import observe
 from t5x_like.data import chat
 from t5x_like.model import decoder
@@ -243,9 +244,11 @@ def run(main: Callable) -> None:
   dependency) exits 1 with a one-line reason, not a traceback (T5X_LIKE_TRACEBACK=1 raises it,
   --verbosity=1 logs it). Before anything starts the jax backend, XLA:CPU gets the run's flags
   (distributed.set_cpu_xla_flags) and glibc's malloc is set to keep freed memory for the next step
-  (parallel/host_allocator.py)."""
+  (parallel/host_allocator.py); the imported modules leave the garbage collector's scans
+  (garbage_collector.py)."""
   distributed.set_cpu_xla_flags()
   host_allocator.keep_freed_memory()
+  garbage_collector.quiet_garbage_collector()
 
   def wrapped(argv):
     logging.get_absl_handler().addFilter(_QuietLibraries())

@@ -165,9 +165,12 @@ def run_launch(request: dict) -> None:
 def server_main(path: str) -> None:
   from t5x_like import jemalloc  # pylint: disable=g-import-not-at-top  (t5x_like first: it hides Keras from TF)
   jemalloc.preload_jemalloc()  # restarts this process under jemalloc, as an entry point does
+  from t5x_like import garbage_collector  # pylint: disable=g-import-not-at-top
+  garbage_collector.quiet_garbage_collector()  # as t5x_like/__init__.py does for `-m t5x_like.<entry point>`
   import importlib  # pylint: disable=g-import-not-at-top
   for name in PRELOAD:
     importlib.import_module(name)
+  garbage_collector.quiet_garbage_collector()  # the imported modules frozen once, for every fork
   request = serve(path)
   try:
     run_launch(request)

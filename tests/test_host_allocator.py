@@ -1,5 +1,6 @@
 """parallel/host_allocator.py and t5x_like/jemalloc.py: with glibc set to keep freed memory, a repeated XLA:CPU program
-takes no page faults; entry points run on jemalloc where it is installed."""
+takes no page faults; entry points run on jemalloc where it is installed; t5x_like/garbage_collector.py: their garbage
+collector skips what their imports left."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import textwrap
 import pytest
 
 from tests import conftest
+from t5x_like import garbage_collector
 from t5x_like import jemalloc
 from t5x_like.parallel import host_allocator
 
@@ -80,8 +82,31 @@ def test_entry_points_run_on_jemalloc_where_it_is_installed():
     assert out.returncode != 0 and "libjemalloc2" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     pytest.skip("libjemalloc2 is not installed (bash .ci/run installs it)")
   report = json.loads(_entry_point_allocator().stdout)
-  assert report == {"jemalloc": True, "malloc_conf": jemalloc.JEMALLOC_CONF, "mode": ""}
+  assert report == {"jemalloc": True, "malloc_conf": jemalloc.JEMALLOC_CONF, "mode": "",
+                    "gc_threshold": list(garbage_collector.GC_THRESHOLDS)}
   report = json.loads(_entry_point_allocator(MALLOC_CONF="narenas:2").stdout)
   assert report["jemalloc"] and report["malloc_conf"] == "narenas:2"
   report = json.loads(_entry_point_allocator(**{host_allocator.ENV: "glibc"}).stdout)
   assert not report["jemalloc"]
+
+
+# cli.run's set-up, as every entry point runs it after its imports; prints the collector's thresholds, how many
+# objects it froze, and how many collections a full pass over the frozen ones would have had to walk.
+GC_SCRIPT = textwrap.dedent("""
+    import gc, sys
+    from t5x_like import cli
+    sys.argv = ["probe"]
+    cli.run(lambda argv: print(*gc.get_threshold(), gc.get_freeze_count(), len(gc.get_objects())))
+""")
+
+
+def test_entry_points_freeze_their_imports_out_of_the_garbage_collectors_scans():
+  """`python -m t5x_like.<entry point>` raises the collector's thresholds before its imports (t5x_like/__init__.py;
+  the report above), and cli.run freezes what the imports left: the collector's passes then walk only what the run
+  allocates (t5x_like/garbage_collector.py)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  out = subprocess.run([sys.executable, "-c", GC_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  *threshold, frozen, tracked = map(int, out.stdout.split())
+  assert tuple(threshold) == garbage_collector.GC_THRESHOLDS
+  assert frozen > 100_000 and tracked < frozen // 10, (frozen, tracked)  # TensorFlow, JAX, t5x_like: ~380,000

@@ -23,6 +23,7 @@ Linux with glibc (macOS, musl) nothing is changed.
 """
 
 import ctypes
+import gc
 import json
 import os
 import sys
@@ -63,10 +64,10 @@ def keep_freed_memory() -> bool:
 
 
 def main() -> None:
-  """`python -m t5x_like.parallel.host_allocator`: prints which allocator serves this process (what an entry point
-  gets)."""
+  """`python -m t5x_like.parallel.host_allocator`: prints which allocator serves this process and the garbage
+  collector's thresholds (what an entry point gets)."""
   print(json.dumps({"jemalloc": jemalloc_loaded(), "malloc_conf": os.environ.get("MALLOC_CONF", ""),
-                    "mode": os.environ.get(ENV, "")}))
+                    "mode": os.environ.get(ENV, ""), "gc_threshold": list(gc.get_threshold())}))
 
 
 if __name__ == "__main__":
