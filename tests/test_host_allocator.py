@@ -2,6 +2,7 @@
 takes no page faults; entry points run on jemalloc where it is installed; t5x_like/garbage_collector.py: their garbage
 collector skips what their imports left."""
 
+import gc
 import json
 import os
 import subprocess
@@ -90,23 +91,21 @@ def test_entry_points_run_on_jemalloc_where_it_is_installed():
   assert not report["jemalloc"]
 
 
-# cli.run's set-up, as every entry point runs it after its imports; prints the collector's thresholds, how many
-# objects it froze, and how many collections a full pass over the frozen ones would have had to walk.
-GC_SCRIPT = textwrap.dedent("""
-    import gc, sys
-    from t5x_like import cli
-    sys.argv = ["probe"]
-    cli.run(lambda argv: print(*gc.get_threshold(), gc.get_freeze_count(), len(gc.get_objects())))
-""")
 
-
-def test_entry_points_freeze_their_imports_out_of_the_garbage_collectors_scans():
+def test_entry_points_freeze_their_imports_out_of_the_garbage_collectors_scans(monkeypatch):
   """`python -m t5x_like.<entry point>` raises the collector's thresholds before its imports (t5x_like/__init__.py;
-  the report above), and cli.run freezes what the imports left: the collector's passes then walk only what the run
-  allocates (t5x_like/garbage_collector.py)."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
-  out = subprocess.run([sys.executable, "-c", GC_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
-  assert out.returncode == 0, out.stderr[-2000:]
-  *threshold, frozen, tracked = map(int, out.stdout.split())
-  assert tuple(threshold) == garbage_collector.GC_THRESHOLDS
-  assert frozen > 100_000 and tracked < frozen // 10, (frozen, tracked)  # TensorFlow, JAX, t5x_like: ~380,000
+  the report above), and cli.run, which every entry point's main runs under, sets them again and freezes what is
+  alive (the imports): the collector's passes then walk only what the run allocates. Run here in this process,
+  from Python's defaults and nothing frozen."""
+  from t5x_like import cli  # pylint: disable=g-import-not-at-top
+  seen = []
+  gc.set_threshold(700, 10, 10)
+  gc.unfreeze()
+  try:
+    assert conftest.run_cli_in_process(monkeypatch, lambda: cli.run(lambda argv: seen.append(
+        (gc.get_threshold(), gc.get_freeze_count(), len(gc.get_objects())))), ["probe"]) in (None, 0)
+  finally:
+    garbage_collector.quiet_garbage_collector()  # as conftest left this process
+  (threshold, frozen, tracked), = seen
+  assert threshold == garbage_collector.GC_THRESHOLDS
+  assert frozen > 100_000 and tracked < frozen // 10, (frozen, tracked)  # TensorFlow, JAX, t5x_like...: ~380,000
