@@ -81,6 +81,7 @@ print(count(grad(plain), params, x), count(grad(ours), params, x), count(plain_b
 """
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_norm_gradients_compile_with_fewer_reduce_windows():
   env = dict(os.environ, XLA_FLAGS=" ".join(distributed.CPU_XLA_FLAGS), JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", HLO_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,

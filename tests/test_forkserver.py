@@ -11,6 +11,9 @@ import pytest
 
 from tests import forkserver
 
+# Every test here starts processes, plain or forked, to compare them: all are slow (pytest.ini).
+pytestmark = pytest.mark.slow
+
 PROBE = [sys.executable, "tests/forkserver_probe.py", "3"]
 
 

@@ -51,6 +51,7 @@ def _faults(allocator_env: str) -> tuple:
   return took == "True", [int(f) for f in faults]
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_freed_memory_is_reused_without_page_faults():
   took, faults = _faults("")
   assert took
@@ -60,6 +61,7 @@ def test_freed_memory_is_reused_without_page_faults():
   assert min(faults) <= CALLS // 2 * PAGES_PER_CALL, faults
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_glibc_defaults_fault_every_call_in_again():  # what the settings save; T5X_LIKE_HOST_ALLOCATOR=default
   took, faults = _faults("default")
   assert not took
@@ -74,6 +76,7 @@ def _entry_point_allocator(**env_vars) -> subprocess.CompletedProcess:
                         env={**env, **env_vars}, timeout=120)
 
 
+@pytest.mark.slow  # three launches
 def test_entry_points_run_on_jemalloc_where_it_is_installed():
   """Under `python -m t5x_like.<entry point>` the process restarts once with jemalloc preloaded and MALLOC_CONF =
   JEMALLOC_CONF (a MALLOC_CONF the user set is kept); T5X_LIKE_HOST_ALLOCATOR=glibc keeps glibc. (.ci/run installs

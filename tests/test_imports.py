@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import import_graph  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -23,6 +25,7 @@ def test_the_checker_sees_a_cycle_and_a_function_level_import(tmp_path):
   assert not top and nested == [(4, "t5x_like.model.decoder")] and not private
 
 
+@pytest.mark.slow  # two Python processes
 def test_importing_the_package_quiets_tensorflow_and_keeps_the_users_setting():
   """t5x_like/__init__ sets TF's log defaults before any module imports tensorflow (else TF's C++ notices land
   ahead of an entry point's one-line error); a value the user exported wins."""

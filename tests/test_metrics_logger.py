@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from t5x_like.observe import metrics
@@ -51,6 +52,7 @@ def test_one_write_reaches_the_log_the_event_file_and_metrics_jsonl(tmp_path, ca
   assert os.listdir(other) == []
 
 
+@pytest.mark.slow  # Python processes of its own
 def test_entry_points_import_tensorflow_without_keras_and_keras_still_imports_after():
   """TF's __init__ imports Keras (and scikit-learn) eagerly but optionally; the package hides it for that import
   (t5x_like/__init__.py), and nothing an entry point imports loads it. `import keras` and tf.keras work later."""

@@ -383,6 +383,7 @@ def test_cpu_xla_flags_only_under_a_jaxlib_that_knows_them(monkeypatch):
   assert distributed.cpu_xla_flags() == () and os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
 
 
+@pytest.mark.slow  # a Python process importing every entry point
 def test_every_entry_point_starts_with_the_cpu_xla_flags():
   """cli.run (every `python -m t5x_like.*`) appends cpu_xla_flags() to XLA_FLAGS before anything starts the backend."""
   script = ("import atexit, os, sys\n"

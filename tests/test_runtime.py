@@ -90,6 +90,7 @@ def _infer_each(model_dirs, data_dir) -> list:
   return [run.stdout for run in done]
 
 
+@pytest.mark.slow  # an infer launch
 def test_infer_on_a_lora_run_needs_no_lora_flag(corpus, runs):
   """infer on the LoRA run (no LoRA flag) prints what infer on the merged plain run prints, at the run's step."""
   lora_out, merged_out = _infer_each([runs["lora_dir"], runs["merged_dir"]], corpus)

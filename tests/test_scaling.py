@@ -118,6 +118,7 @@ def _scaling(*args) -> subprocess.Popen:
                           stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # CLI launches
 def test_cli_fit_prints_the_law_and_the_compute_optimum(tmp_path):
   """Exact losses of the known law at 5 sizes × 4 evaluations: the CLI recovers its exponents and optimum; `plan`
   reads the saved fit; too few sizes is a one-line error (that launch runs alongside `fit`)."""

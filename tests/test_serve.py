@@ -118,6 +118,7 @@ def test_sample_text_streams_exactly_the_final_text():
   assert s.logprobs == [-0.5] * 3 and len(s.pieces) == 3
 
 
+@pytest.mark.slow  # the module's server process
 def test_completion_and_chat_with_the_openai_client(client, reference):
   exp, engine, tok = reference
   r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=1)
@@ -137,6 +138,7 @@ def test_completion_and_chat_with_the_openai_client(client, reference):
   assert c.usage.completion_tokens == len(want.tokens)
 
 
+@pytest.mark.slow  # the module's server process
 def test_streamed_chunks_concatenate_to_the_plain_answer(client):
   plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0).choices[0].text
   chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, stream=True))
@@ -156,6 +158,7 @@ def test_streamed_chunks_concatenate_to_the_plain_answer(client):
   assert chat_chunks[-1].usage.completion_tokens == chat_plain.usage.completion_tokens
 
 
+@pytest.mark.slow  # the module's server process
 def test_n_samples_seeded_and_streamed(client):
   ask = dict(model="tiny", prompt=PROMPT, max_tokens=12, temperature=1.0, n=3, seed=7)
   first = client.completions.create(**ask)
@@ -169,6 +172,7 @@ def test_n_samples_seeded_and_streamed(client):
   assert streamed == texts
 
 
+@pytest.mark.slow  # the module's server process
 def test_greedy_answer_is_the_same_alone_and_among_others(client):
   alone = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
   asks = [dict(prompt=PROMPT, temperature=0) if i % 2 else dict(prompt=f"value of {'a ' * i}", temperature=1.0,
@@ -178,6 +182,7 @@ def test_greedy_answer_is_the_same_alone_and_among_others(client):
   assert [o for o, a in zip(out, asks) if a["temperature"] == 0] == [alone] * 5
 
 
+@pytest.mark.slow  # the module's server process
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client):
   import openai  # pylint: disable=g-import-not-at-top
   url = server.url + "/v1/completions"
@@ -212,6 +217,7 @@ def metric(text: str, name: str) -> float:
   return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
+@pytest.mark.slow  # the module's server process
 def test_a_client_that_leaves_frees_its_slots(server, client):
   # no max_tokens: each sample may run to the context's end
   body = json.dumps(dict(model="tiny", messages=CHAT, n=4, temperature=1.0, seed=3, stream=True))
@@ -232,6 +238,7 @@ def test_a_client_that_leaves_frees_its_slots(server, client):
   assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4).choices[0].text
 
 
+@pytest.mark.slow  # the module's server process
 def test_prometheus_metrics(server, client):
   client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0)
   text = sf.get(server.url + "/metrics")

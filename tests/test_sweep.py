@@ -144,6 +144,7 @@ def test_finished_means_the_final_eval_is_logged_and_a_cut_line_is_skipped(tmp_p
           row["peak_memory_bytes"], row["tokens_per_sec"]) == (2.5, 2.25, 10, 80, 2**30, 100.0)
 
 
+@pytest.mark.slow  # two CLI launches
 def test_cli_help_and_one_line_error():
   """`--help`, and a grid key that is no gin binding: the two launches run side by side."""
   launches = [forkserver.Popen([sys.executable, "-m", "t5x_like.sweep", *argv], cwd=REPO, env=env(),
