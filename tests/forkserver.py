@@ -7,9 +7,10 @@ each launch is then a fork of it that runs the module's `__main__` (runpy, as `p
 argv, working directory, environment and stdin/stdout/stderr.
 
 JAX reads its settings from the environment when it is imported (JAX_*; TensorFlow imports it, through TF Lite),
-so a server serves only launches with its own JAX_* variables (the test settings). XLA reads XLA_FLAGS when a
-process's first backend starts, which no server does: each launch's own XLA_FLAGS apply (tests/test_forkserver.py
-checks both).
+so a server serves only launches with its own JAX_* variables (the test settings), but for those of SET_IN_LAUNCH:
+settings read when a program compiles, which the launch sets itself (jax.config.update) from its own environment
+before its module runs, as its import would have. XLA reads XLA_FLAGS when a process's first backend starts, which
+no server does: each launch's own XLA_FLAGS apply (tests/test_forkserver.py checks all three).
 
 What stays as in a new process: the process id a test signals (kill -9, SIGTERM: the signalled process is the run
 itself), the exit status (-9 for a SIGKILL), jemalloc as the allocator (the server restarts itself under it as the
@@ -22,9 +23,9 @@ What differs: a launch that finishes (or exits through SystemExit) skips the int
 Not served (`Popen` starts a plain process instead): anything but `python -m t5x_like.…` or a script under tests/,
 a stdin or keyword other than the defaults, or an environment that differs from the server's in a variable its
 modules read at import (AT_IMPORT: Python's, the allocator's, TensorFlow's, JAX's...; a value those imports set
-themselves, as TensorFlow's TPU_ML_PLATFORM, may be there already; conftest.user_env()'s launches, without the test
-settings, are plain). Tests of import behaviour itself (test_imports,
-test_metrics_logger, test_host_allocator) and the README demo's commands launch plain processes.
+themselves, as TensorFlow's TPU_ML_PLATFORM, may be there already; SET_IN_LAUNCH's may differ). Tests of import
+behaviour itself (test_imports, test_metrics_logger, test_host_allocator) and the README demo's commands launch
+plain processes.
 
 A server: `python tests/forkserver.py SOCKET`; it exits when its stdin (a pipe from the test process) closes.
 """
@@ -60,6 +61,10 @@ PRELOAD = ("numpy", "ml_dtypes", "jax", "tensorflow", "flax", "optax", "absl.app
 AT_IMPORT = ("PYTHON", "LD_", "MALLOC_", "T5X_LIKE_HOST_ALLOCATOR", "T5X_LIKE_HARDWARE", "OMP_", "OPENBLAS_", "GOTO",
              "MKL_", "NPY_", "NUMPY_", "TF_", "JAX_", "FLAX_", "ABSL_", "GIN_", "XLA_PYTHON_", "CUDA", "TPU_")
 JEMALLOC_KEYS = ("LD_PRELOAD", "MALLOC_CONF", "T5X_LIKE_HOST_ALLOCATOR_RESTARTED")  # what the restart adds
+# JAX settings a launch may hold at another value than its server: JAX reads them when it compiles, so the launch
+# sets them from its own environment (absent: JAX's default) before its module runs. conftest.user_env()'s launches
+# (XLA's optimisation on, as a user's) are served this way.
+SET_IN_LAUNCH = {"JAX_DISABLE_MOST_OPTIMIZATIONS": ("jax_disable_most_optimizations", False)}
 HEADER = struct.Struct("!Q")
 
 
@@ -144,6 +149,10 @@ def run_launch(request: dict) -> None:
   os.chdir(request["cwd"])
   os.environ.clear()
   os.environ.update(request["env"])
+  import jax  # pylint: disable=g-import-not-at-top  (imported by the server: PRELOAD)
+  for variable, (name, default) in SET_IN_LAUNCH.items():
+    value = os.environ.get(variable)
+    jax.config.update(name, default if value is None else value.lower() in ("1", "true", "yes", "on"))
   signal.signal(signal.SIGINT, signal.default_int_handler)
   argv = request["argv"]
   sys.orig_argv = [sys.executable, *argv]
@@ -208,8 +217,8 @@ def exit_launch(code: int) -> None:
 # ---------------------------------------------------------------------------------------------------- the client
 
 def _at_import(env) -> dict:
-  """The variables of `env` that the servers' modules read when they are imported."""
-  return {k: v for k, v in env.items() if k.startswith(AT_IMPORT)}
+  """The variables of `env` that the servers' modules read when they are imported and a launch cannot set itself."""
+  return {k: v for k, v in env.items() if k.startswith(AT_IMPORT) and k not in SET_IN_LAUNCH}
 
 
 class _Server:

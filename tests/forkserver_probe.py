@@ -18,7 +18,8 @@ def main():
   print(json.dumps({
       "pid": os.getpid(), "argv": sys.argv, "orig_argv": sys.orig_argv[1:], "cwd": os.getcwd(), "path0": sys.path[0],
       "probe": os.environ.get("T5X_LIKE_PROBE"), "devices": jax.device_count(),
-      "level_0": jax.config.read("jax_disable_most_optimizations"), "hash": hash("t5x_like"),
+      "level_0": jax.config.read("jax_disable_most_optimizations"), "x64": jax.config.read("jax_enable_x64"),
+      "hash": hash("t5x_like"),
       "jemalloc": "libjemalloc" in open("/proc/self/maps", encoding="utf-8").read(),
       "main": sys.modules["__main__"].__file__ == os.path.abspath(__file__)}))
   # block-buffered whatever PYTHONUNBUFFERED says: the last two lines come out only if the exit flushes sys.stdout

@@ -67,13 +67,21 @@ def test_two_launches_in_a_row_never_share_a_string_hash_seed():
   assert seeds[0] != seeds[1] != seeds[2]
 
 
-def test_jax_settings_other_than_the_servers_get_a_plain_process():
-  """JAX read its settings when the server imported it: a launch without the test settings (conftest.user_env) is
-  not served, and compiles with JAX's optimisation on."""
-  proc = forkserver.Popen(PROBE, cwd=forkserver.REPO, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+def test_jax_settings_other_than_the_servers_get_their_own_values_or_a_plain_process():
+  """JAX read its settings when the server imported it. A launch without the test settings (conftest.user_env) is
+  served and compiles with JAX's optimisation on, as a plain launch does (forkserver.SET_IN_LAUNCH: read when a
+  program compiles); another JAX setting (read at import) gets a plain process."""
+  for environ in (user_env(), dict(user_env(), JAX_DISABLE_MOST_OPTIMIZATIONS="1")):
+    served = forkserver.Popen(PROBE, cwd=forkserver.REPO, env=environ, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    assert isinstance(served, forkserver.Launched)
+    level_0 = probe(subprocess.CompletedProcess(PROBE, served.wait(timeout=120), *served.communicate()))["level_0"]
+    assert level_0 == ("JAX_DISABLE_MOST_OPTIMIZATIONS" in environ)
+  other = dict(env(), JAX_ENABLE_X64="1")
+  proc = forkserver.Popen(PROBE, cwd=forkserver.REPO, env=other, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True)
   assert not isinstance(proc, forkserver.Launched)
-  assert not probe(subprocess.CompletedProcess(PROBE, proc.wait(timeout=120), *proc.communicate()))["level_0"]
+  assert probe(subprocess.CompletedProcess(PROBE, proc.wait(timeout=120), *proc.communicate()))["x64"]
 
 
 def test_a_variable_the_servers_imports_set_is_served_at_their_value_only():
