@@ -20,12 +20,12 @@ so two consecutive launches (a run and its relaunch) never share a string-hash s
 What differs: a launch that finishes (or exits through SystemExit) skips the interpreter's teardown of its modules
 (`exit_launch`: 1.1-1.3 s a launch).
 
-Not served (`Popen` starts a plain process instead): anything but `python -m t5x_like.…` or a script under tests/,
-a stdin or keyword other than the defaults, or an environment that differs from the server's in a variable its
-modules read at import (AT_IMPORT: Python's, the allocator's, TensorFlow's, JAX's...; a value those imports set
-themselves, as TensorFlow's TPU_ML_PLATFORM, may be there already; SET_IN_LAUNCH's may differ). Tests of import
-behaviour itself (test_imports, test_metrics_logger, test_host_allocator) and the README demo's commands launch
-plain processes.
+Not served (`Popen` starts a plain process instead): anything but `python -m t5x_like.…`, a script under tests/ or
+a dataset's under data/, a stdin or keyword other than the defaults, or an environment that differs from the
+server's in a variable its modules read at import (AT_IMPORT: Python's, the allocator's, TensorFlow's, JAX's...; a
+value those imports set themselves, as TensorFlow's TPU_ML_PLATFORM, may be there already; SET_IN_LAUNCH's may
+differ). Tests of import behaviour itself (test_imports, test_metrics_logger, test_host_allocator) and the README
+demo's commands launch plain processes.
 
 A server: `python tests/forkserver.py SOCKET`; it exits when its stdin (a pipe from the test process) closes.
 """
@@ -46,6 +46,7 @@ import time
 import types
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(REPO, "data")
 PRELOAD = ("numpy", "ml_dtypes", "jax", "tensorflow", "flax", "optax", "absl.app", "absl.flags", "absl.logging",
            "gin",
            # the library every entry point imports (t5x_like.cli: the data, model, recipes, orbax; the trainer):
@@ -275,8 +276,9 @@ def _served_argv(args):
     return None
   if args[1] == "-m" and len(args) > 2 and args[2].startswith("t5x_like."):
     return args[1:]
-  if args[1].endswith(".py") and os.path.dirname(os.path.abspath(args[1])) == os.path.join(REPO, "tests"):
-    return args[1:]
+  folder = os.path.dirname(os.path.abspath(args[1]))
+  if args[1].endswith(".py") and (folder == os.path.join(REPO, "tests") or os.path.dirname(folder) == DATA):
+    return args[1:]  # a script under tests/, or a dataset's under data/ (data/pystdlib/prepare.py)
   return None
 
 

@@ -110,3 +110,13 @@ def test_a_variable_the_preloaded_library_reads_gets_a_plain_process(tmp_path):
   assert not isinstance(proc, forkserver.Launched)
   proc.kill()
   proc.wait(timeout=60)
+
+
+def test_entry_points_and_the_repositorys_scripts_are_served_nothing_else():
+  served = lambda *args: forkserver._served_argv([sys.executable, *args])  # pylint: disable=protected-access
+  assert served("-m", "t5x_like.train", "--x") == ["-m", "t5x_like.train", "--x"]
+  assert served("tests/forkserver_probe.py", "3") == ["tests/forkserver_probe.py", "3"]
+  assert served(os.path.join(forkserver.REPO, "data", "pystdlib", "prepare.py")) is not None
+  for args in (("-m", "pytest"), ("bench/decode.py",), ("data/x.py",), ("-c", "print(1)")):
+    assert served(*args) is None, args
+  assert forkserver._served_argv(["python3", "-m", "t5x_like.train"]) is None  # pylint: disable=protected-access

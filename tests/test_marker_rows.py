@@ -5,7 +5,6 @@ reader of a LoRA run merges them. The tiny base, configs and helpers are tests/t
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 
 import flax
@@ -17,6 +16,7 @@ import pytest
 from tests.test_finetune import CHAT_MODEL, LORA, TINY, chat_sft_run, digest, model_params, random_params
 from tests.test_finetune import reverse_chat_data
 from tests import conftest
+from tests import forkserver
 
 from t5x_like.data import chat
 from t5x_like.data import chat_synth
@@ -134,8 +134,8 @@ def test_lora_learns_a_new_chat_format_from_a_base_pre_trained_on_plain_text(tmp
   answered 1.00 without them too; the two tests above check the rows themselves. The base pre-trains on 64-token
   windows (the bench's 128): the SFT rows are 64 tokens."""
   corpus, base, lora_dir = tmp_path / "pystdlib", tmp_path / "base", tmp_path / "lora"
-  subprocess.run([sys.executable, "data/pystdlib/prepare.py", f"--output_dir={corpus}", "--max_mb=4",
-                  f"--vocab_size={TASK_VOCAB}"], cwd=ROOT, check=True, capture_output=True)
+  forkserver.run([sys.executable, "data/pystdlib/prepare.py", f"--output_dir={corpus}", "--max_mb=4",
+                  f"--vocab_size={TASK_VOCAB}"], cwd=ROOT, env=conftest.user_env(), check=True, capture_output=True)
   models = ["--gin_file=configs/models/llama_tiny.gin", "--gin.model.GPTConfig.dtype='float32'"]
   train_file, test_file = chat_synth.write_synthetic_chat(str(tmp_path / "task"), "first", 4000, 100)
   preprocessing.preprocess([train_file], str(tmp_path / "chat"), tokenizer=str(corpus), data_format="chat",
