@@ -24,8 +24,8 @@ Not served (`Popen` starts a plain process instead): anything but `python -m t5x
 a dataset's under data/, a stdin or keyword other than the defaults, or an environment that differs from the
 server's in a variable its modules read at import (AT_IMPORT: Python's, the allocator's, TensorFlow's, JAX's...; a
 value those imports set themselves, as TensorFlow's TPU_ML_PLATFORM, may be there already; SET_IN_LAUNCH's may
-differ). Tests of import behaviour itself (test_imports, test_metrics_logger, test_host_allocator) and the README
-demo's commands launch plain processes.
+differ). Tests of import behaviour itself (test_imports, test_metrics_logger, test_host_allocator) launch plain
+processes.
 
 A server: `python tests/forkserver.py SOCKET`; it exits when its stdin (a pipe from the test process) closes.
 """

@@ -2,7 +2,6 @@
 into unfused reduce-window passes equal the plain ones, values and gradients, and compile without reduce-window."""
 
 import os
-import subprocess
 import sys
 
 import flax.linen as nn
@@ -11,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests import forkserver
 from t5x_like.model import cpu_kernels
 from t5x_like.model import layers
 from t5x_like.parallel import distributed
@@ -64,28 +64,11 @@ def test_norms_equal_the_plain_formula(norm):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(b))))
 
 
-# Run with the XLA:CPU flags every entry point sets (distributed.CPU_XLA_FLAGS): only with YNN's reduction fusions
-# off does XLA:CPU rewrite reductions into reduce-window. Prints the reduce-window counts of the compiled gradients:
-# LayerNorm plain / ours, a bias plain / ours.
-HLO_SCRIPT = """
-import jax, jax.numpy as jnp
-from tests import test_cpu_reductions as t
-from t5x_like.model import cpu_kernels
-count = lambda f, *a: jax.jit(f).lower(*a).compile().as_text().count("reduce-window(")
-ours, plain, params, x = t._norm_case("layernorm")
-grad = lambda f: jax.grad(f, argnums=(0, 1))
-bias, y, cot = t._rand(256), t._rand(2, 64, 256, seed=4), t._rand(2, 64, 256, seed=3)  # 64 rows > 32
-plain_bias = lambda b, y, c: jax.grad(lambda b: jnp.sum((y + b) * c))(b)
-our_bias = lambda b, y, c: jax.grad(lambda b: jnp.sum(cpu_kernels.add_bias(y, b) * c))(b)
-print(count(grad(plain), params, x), count(grad(ours), params, x), count(plain_bias, bias, y, cot), count(our_bias, bias, y, cot))
-"""
-
-
-@pytest.mark.slow  # a Python process of its own
+@pytest.mark.slow  # a process of its own (forked: tests/forkserver.py), with the entry points' XLA:CPU flags
 def test_norm_gradients_compile_with_fewer_reduce_windows():
   env = dict(os.environ, XLA_FLAGS=" ".join(distributed.CPU_XLA_FLAGS), JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-c", HLO_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
+  out = forkserver.run([sys.executable, "tests/reduce_window_counts.py"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   ln_plain, ln_ours, bias_plain, bias_ours = map(int, out.stdout.split())
   assert ln_plain > 0 and bias_plain > 0  # what the check would see if the rewrite came back

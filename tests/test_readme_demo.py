@@ -4,12 +4,12 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 
 import pytest
 
 from tests import conftest
+from tests import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_GIN = "configs/experiments/pystdlib_demo.gin"
@@ -34,8 +34,9 @@ def readme_demo() -> dict:
 
 
 def _run(argv, timeout=900) -> str:
-  # As a user's shell runs it: none of the tests' XLA settings (conftest.user_env).
-  out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=conftest.user_env())
+  # As a user's shell runs it: none of the tests' XLA settings (conftest.user_env); forked from a fork server that
+  # has imported TensorFlow and JAX, as `python ARGV` (tests/forkserver.py; tests/test_forkserver.py compares both).
+  out = forkserver.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=conftest.user_env())
   assert out.returncode == 0, f"{shlex.join(argv)} exited {out.returncode}:\n{out.stderr[-3000:]}"
   return out.stdout + out.stderr
 
