@@ -94,7 +94,6 @@ def test_entry_points_run_on_jemalloc_where_it_is_installed():
   assert not report["jemalloc"]
 
 
-
 def test_entry_points_freeze_their_imports_out_of_the_garbage_collectors_scans(monkeypatch):
   """`python -m t5x_like.<entry point>` raises the collector's thresholds before its imports (t5x_like/__init__.py;
   the report above), and cli.run, which every entry point's main runs under, sets them again and freezes what is
