@@ -281,7 +281,6 @@ def test_sorted_indices_and_parse_order_by():
     ordering.parse_order_by("field:")
 
 
-@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def _experiment(data_dir, order_window=0):
   """An Experiment of a one-layer model over `data_dir` (batches of 8 rows of SEQ tokens)."""
   tiny = model_lib.GPTConfig(num_layers=1, num_heads=2, d_model=16, d_ff=32, max_len=16, dtype="float32")
@@ -291,6 +290,7 @@ def _experiment(data_dir, order_window=0):
   return experiment_lib.Experiment(config, tiny, optimizer_lib.OptimizerConfig())
 
 
+@pytest.mark.slow  # fast subset: the developer loop; CI runs it
 def test_trainer_reads_the_order_and_its_window(dirs):
   """Experiment.dataset (what the trainer iterates) keeps the order; DataConfig.order_window reaches the pipeline."""
   d, _ = dirs["length"]
