@@ -146,16 +146,39 @@ def write_corpus(directory, files=8, lines=300, seed=0):
         out.write(f"{rng.choice(subj)} {rng.choice(verb)} {rng.choice(obj)}.\n")
 
 
+def built_once(tmp_path_factory, name: str, build):
+  """`build(directory)`'s JSON-able result, built once per test run in a directory every pytest-xdist worker of the
+  run shares (the workers' base temporary directories' parent; a file lock makes a second worker wait for the
+  first's build and read its result), so a prepared corpus or an SFT run several files start from is made once,
+  not once per worker or per module."""
+  import fcntl  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent
+  directory, done = root / name, root / f"{name}.json"
+  with open(root / f"{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not done.exists():
+      directory.mkdir(parents=True, exist_ok=True)
+      result = build(directory)
+      done.write_text(json.dumps(result))
+    return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> str:
-  """One prepared DATA_DIR shared by the whole test run (train/e2e, fault tolerance, multi-host):
-  8 × 300 generated lines, SentencePiece vocabulary 400, 4 train shards, 20% validation."""
+  """One prepared DATA_DIR shared by the whole test run (train/e2e, fault tolerance, multi-host), both workers
+  (built_once): 8 × 300 generated lines, SentencePiece vocabulary 400, 4 train shards, 20% validation."""
   from t5x_like.data import preprocessing  # pylint: disable=g-import-not-at-top  (after the XLA flags above)
-  root = tmp_path_factory.mktemp("corpus")
-  write_corpus(str(root / "raw"))
-  preprocessing.preprocess([str(root / "raw" / "*.txt")], str(root / "ds"), vocab_size=400, num_train_shards=4,
-                           validation_fraction=0.2, num_workers=1, progress=False, cache_dir=None)
-  return str(root / "ds")
+
+  def build(root) -> str:
+    write_corpus(str(root / "raw"))
+    preprocessing.preprocess([str(root / "raw" / "*.txt")], str(root / "ds"), vocab_size=400, num_train_shards=4,
+                             validation_fraction=0.2, num_workers=1, progress=False, cache_dir=None)
+    return str(root / "ds")
+
+  return built_once(tmp_path_factory, "corpus", build)
 
 
 def rewind(model_dir, to_dir, step: int) -> str:

@@ -46,13 +46,17 @@ WORDS = ("trainer", "shard", "shards", "restores", "streams", "tokens", "paramet
 
 @pytest.fixture(scope="module")
 def prefs(corpus, tmp_path_factory):
-  """A preference DATA_DIR of the generated reversal task over the corpus's tokenizer, and its report."""
-  root = tmp_path_factory.mktemp("prefs")
-  path = preference_synth.write_synthetic_preferences(str(root / "raw"), count=600, words=WORDS, distractors=3,
-                                                             num_words=4)
-  report = preprocessing.preprocess([path], str(root / "ds"), data_format="preference", tokenizer=corpus,
-                                    pack_length=SEQ + 1, validation_fraction=0.25, num_train_shards=2)
-  return str(root / "ds"), report
+  """A preference DATA_DIR of the generated reversal task over the corpus's tokenizer, and its report; made once per
+  test run (conftest.built_once: test_reward and test_rl_resume read it too)."""
+
+  def build(root):
+    path = preference_synth.write_synthetic_preferences(str(root / "raw"), count=600, words=WORDS, distractors=3,
+                                                        num_words=4)
+    report = preprocessing.preprocess([path], str(root / "ds"), data_format="preference", tokenizer=corpus,
+                                      pack_length=SEQ + 1, validation_fraction=0.25, num_train_shards=2)
+    return str(root / "ds"), report
+
+  return tuple(conftest.built_once(tmp_path_factory, "prefs", build))
 
 
 # ----------------------------------------------------------------------------------------------------

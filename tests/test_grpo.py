@@ -159,21 +159,27 @@ def logged(model_dir) -> dict:
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory):
   """(chat DATA_DIR of 'reverse two words' with a held-out split, the JSON-lines file it was made from, a file of 40
-  other conversations with their reference answers)."""
-  return reverse_chat_data(tmp_path_factory.mktemp("grpo_data"), 640, 40, validation_fraction=0.1)
+  other conversations with their reference answers); made once per test run (conftest.built_once: this file,
+  test_ppo, test_online_dpo and test_rl_resume read it; none writes into it)."""
+  return tuple(conftest.built_once(tmp_path_factory, "grpo_data", lambda root: reverse_chat_data(
+      root, 640, 40, validation_fraction=0.1)))
 
 
 @pytest.fixture(scope="module")
 def sft(chat_data, tmp_path_factory):
   """(chat DATA_DIR, its source file, an SFT MODEL_DIR, its base MODEL_DIR): SFT_STEPS steps from a random model,
-  which then answers about 70% of the held-out prompts exactly (greedy) and half of its samples."""
+  which then answers about 70% of the held-out prompts exactly (greedy) and half of its samples. Trained once per
+  test run (conftest.built_once): the RL tests start from it and never write into it."""
   data_dir, train_file, _ = chat_data
-  root = tmp_path_factory.mktemp("grpo")
-  base_dir, sft_dir = str(root / "base"), str(root / "sft")
-  run, opt = chat_sft_run(sft_dir, data_dir, base_dir, SFT_STEPS)
-  checkpointing.save_params(base_dir, model_params(experiment_lib.Experiment(run, MODEL, opt), seed=0))
-  trainer.train(run, MODEL, opt)
-  return data_dir, train_file, sft_dir, base_dir
+
+  def build(root):
+    base_dir, sft_dir = str(root / "base"), str(root / "sft")
+    run, opt = chat_sft_run(sft_dir, data_dir, base_dir, SFT_STEPS)
+    checkpointing.save_params(base_dir, model_params(experiment_lib.Experiment(run, MODEL, opt), seed=0))
+    trainer.train(run, MODEL, opt)
+    return data_dir, train_file, sft_dir, base_dir
+
+  return tuple(conftest.built_once(tmp_path_factory, "grpo_sft", build))
 
 
 @pytest.mark.slow  # the SFT fixture (100 steps) and two generations of 40 answers

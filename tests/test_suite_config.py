@@ -115,3 +115,34 @@ def test_compile_bound_modules_compile_at_level_0_and_the_others_as_a_user_run(r
   assert code == 0 and "3 passed" in out, out
   assert not {"XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS"} & set(conftest.user_env())
   assert "--xla_backend_optimization_level=0" in conftest.xla_flags(2)
+
+
+def test_built_once_builds_one_directory_for_every_worker_of_the_run(tmp_path, monkeypatch):
+  """conftest.built_once: two pytest-xdist workers of one run (base temporary directories popen-gw0 and popen-gw1
+  under the run's) asking at the same time get one build, the second waiting for the first's result."""
+  import threading  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+  builds = []
+
+  def build(directory):
+    builds.append(directory)
+    time.sleep(0.2)  # the other worker asks meanwhile
+    (directory / "data.txt").write_text("built")
+    return str(directory / "data.txt"), {"rows": 3}
+
+  results = {}
+
+  def worker(name):
+    factory = types.SimpleNamespace(getbasetemp=lambda: tmp_path / f"popen-{name}")
+    results[name] = conftest.built_once(factory, "prepared", build)
+
+  threads = [threading.Thread(target=worker, args=(name,)) for name in ("gw0", "gw1")]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  assert builds == [tmp_path / "prepared"]
+  assert results["gw0"] == results["gw1"] == [str(tmp_path / "prepared" / "data.txt"), {"rows": 3}]
+  assert (tmp_path / "prepared" / "data.txt").read_text() == "built"
