@@ -16,7 +16,7 @@ setuptools.setup(
     python_requires=">=3.11",
     # Lower bounds verified together on Python 3.11 (CPU): jax 0.10.2, flax 0.12.8, optax 0.2.8,
     # orbax-checkpoint 0.12.8, tensorflow-cpu 2.21.0, sentencepiece 0.2.3, etils 1.15.
-    # Exactly what t5x_like/ imports, and tensorboard, which tf.summary writes through.
+    # Exactly what t5x_like/ imports.
     install_requires=[
         "jax>=0.10.2",
         "flax>=0.12.8",
@@ -25,7 +25,7 @@ setuptools.setup(
         "tensorflow-cpu>=2.21.0",
         "sentencepiece>=0.2.0",
         "tokenizers>=0.20",  # HF tokenizer.json (preprocess / infer / evaluate --tokenizer, save_hf)
-        "tensorboard>=2.21.0",  # tf.summary (the event files) comes from it; tensorflow-cpu does not bring it
+        "tensorboard>=2.21.0",  # the event files (observe/metrics.py: its event-file writer and scalar protos)
         "gin-config>=0.5.0",
         "absl-py>=2.1.0",
         "numpy>=2.0",

@@ -18,10 +18,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _event_scalars(model_dir) -> dict:
+  """{(step, tag): value} of the event files, each value a scalar tensor that TensorBoard's Scalars dashboard
+  shows (the scalars plugin's metadata, as tf.summary.scalar writes it)."""
   out = {}
   for path in tf.io.gfile.glob(os.path.join(model_dir, "events.out.tfevents*")):
     for event in tf.compat.v1.train.summary_iterator(path):
       for value in event.summary.value:
+        assert value.metadata.plugin_data.plugin_name == "scalars", value
+        assert value.tensor.dtype == tf.float32.as_datatype_enum and not value.tensor.tensor_shape.dim, value
         out[(event.step, value.tag)] = float(tf.make_ndarray(value.tensor))
   return out
 
