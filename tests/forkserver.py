@@ -66,7 +66,6 @@ JEMALLOC_KEYS = ("LD_PRELOAD", "MALLOC_CONF", "T5X_LIKE_HOST_ALLOCATOR_RESTARTED
 # sets them from its own environment (absent: JAX's default) before its module runs. conftest.user_env()'s launches
 # (XLA's optimisation on, as a user's) are served this way.
 SET_IN_LAUNCH = {"JAX_DISABLE_MOST_OPTIMIZATIONS": ("jax_disable_most_optimizations", False)}
-JAX_TRUE = ("y", "yes", "t", "true", "on", "1")  # what JAX's own reading of a boolean variable takes for true
 HEADER = struct.Struct("!Q")
 
 
@@ -152,9 +151,9 @@ def run_launch(request: dict) -> None:
   os.environ.clear()
   os.environ.update(request["env"])
   import jax  # pylint: disable=g-import-not-at-top  (imported by the server: PRELOAD)
+  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top  (JAX's reader of its variables)
   for variable, (name, default) in SET_IN_LAUNCH.items():
-    value = os.environ.get(variable)
-    jax.config.update(name, default if value is None else value.lower() in JAX_TRUE)
+    jax.config.update(name, jax_config.bool_env(variable, default))  # as JAX's import reads it
   signal.signal(signal.SIGINT, signal.default_int_handler)
   argv = request["argv"]
   sys.orig_argv = [sys.executable, *argv]
