@@ -82,9 +82,10 @@ def test_resume_after_losing_the_newest_checkpoints_is_bit_identical(name, tmp_p
 
 @pytest.mark.slow  # end to end: two CLI launches
 def test_wsd_cut_mid_constant_decays_from_there(tmp_path, corpus):
-  """A WSD run planned for 40 steps is stopped (SIGTERM, checkpointed) at step ≥ 6, in its constant stage, and
-  relaunched with TRAIN_STEPS=10 and a decay over the last 40%: the learning rate stayed at the peak, and now
-  decays over steps 7..10 to the final rate, as the schedule for 10 steps says."""
+  """A WSD run planned for 40 steps is stopped (SIGTERM, checkpointed) at a step S ≥ 6, in its constant stage
+  (steps ≤ 32), and relaunched with TRAIN_STEPS=S+4 and a decay over the last 40%: the learning rate stayed at the
+  peak, and now decays over steps S+1..S+4 to the final rate, as the schedule for S+4 steps says. (S is where the
+  run stopped, not the step the signal was sent after: a loaded machine's run takes a few more steps first.)"""
   data_dir, model_dir = corpus, str(tmp_path / "wsd")
   wsd = ["--gin.optimizer.OptimizerConfig.decay='wsd'", "--gin.optimizer.OptimizerConfig.warmup_steps=2",
          "--gin.optimizer.OptimizerConfig.learning_rate=0.001", "--gin.optimizer.OptimizerConfig.min_lr_ratio=0.0"]
@@ -92,13 +93,14 @@ def test_wsd_cut_mid_constant_decays_from_there(tmp_path, corpus):
                     "--gin.optimizer.OptimizerConfig.decay_fraction=0.2")
   assert code == fault_tolerance.EXIT_PREEMPTED
   stopped = checkpoints.committed_steps(model_dir)[-1]
-  assert 6 <= stopped <= 7
-  assert _launch(model_dir, data_dir, 10, *wsd, "--gin.optimizer.OptimizerConfig.decay_fraction=0.4").wait(
+  assert 6 <= stopped <= 32  # the 40-step schedule decays over its last 20%: steps 33..40
+  total = stopped + 4  # its last 40% (≥ 4 steps from S = 6) all after S: every relaunched step decays
+  assert _launch(model_dir, data_dir, total, *wsd, "--gin.optimizer.OptimizerConfig.decay_fraction=0.4").wait(
       timeout=300) == 0
   lr = {r["step"]: r["lr"] for r in _records(model_dir) if "lr" in r}
   assert [lr[s] for s in range(3, stopped + 1)] == pytest.approx([0.001] * (stopped - 2))  # constant stage
   schedule = opt.learning_rate_schedule(opt.OptimizerConfig(decay="wsd", warmup_steps=2, learning_rate=0.001,
-                                                            min_lr_ratio=0.0, decay_fraction=0.4), 10)
-  expected = [float(schedule(s - 1)) for s in range(stopped + 1, 11)]  # step s trains with the rate at count s-1
-  assert [lr[s] for s in range(stopped + 1, 11)] == pytest.approx(expected, rel=1e-6)
+                                                            min_lr_ratio=0.0, decay_fraction=0.4), total)
+  expected = [float(schedule(s - 1)) for s in range(stopped + 1, total + 1)]  # step s trains with the rate at count s-1
+  assert [lr[s] for s in range(stopped + 1, total + 1)] == pytest.approx(expected, rel=1e-6)
   assert expected == sorted(expected, reverse=True) and expected[-1] < 0.0003  # it decays to the final rate
