@@ -13,8 +13,9 @@ of the same tokens are compared with them as `rollout/logprob_gap`.
 
 Resuming. A run resumed at a cycle's first step samples the same rollout again (same parameters, same seeds). To
 resume inside a cycle, the rollout's arrays are kept in MODEL_DIR/ppo_rollouts/<k>.npz, written by the first
-process when the cycle begins and kept while a committed checkpoint lies inside cycle k; every process reads them
-back (a filesystem all processes share, as MODEL_DIR already is for checkpoints).
+process when the cycle begins and kept while a committed checkpoint, or a save still in flight, lies inside cycle
+k (`stale_cycles`); every process reads them back (a filesystem all processes share, as MODEL_DIR already is for
+checkpoints).
 """
 
 import io
@@ -32,6 +33,17 @@ from t5x_like.posttrain import rollout
 from t5x_like.training import checkpointing
 
 ROLLOUT_DIR = "ppo_rollouts"
+
+
+def stale_cycles(on_disk, committed, updates: int) -> list:
+  """The cycles among `on_disk` whose rollout no checkpoint can resume into, now or once a save in flight commits.
+
+  A checkpoint at step s resumes at step s + 1, inside cycle s // updates + 1 unless s ends a cycle. Saves are
+  asynchronous: one started before this cycle began may commit after it, at a step past the newest committed one,
+  so every cycle from the newest committed checkpoint's on is kept too."""
+  newest = max(committed, default=0)
+  needed = {s // updates + 1 for s in committed if s % updates}
+  return sorted(k for k in on_disk if k not in needed and k < newest // updates + 1)
 
 
 class PpoRollouts:
@@ -116,12 +128,9 @@ class PpoRollouts:
     with tf.io.gfile.GFile(path + ".tmp", "wb") as f:
       f.write(buffer.getvalue())
     tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
-    # a checkpoint at step s resumes at step s + 1, inside cycle s // U + 1 unless s ends a cycle
-    needed = {cycle} | {s // self.updates + 1 for s in checkpointing.committed_steps(self.exp.config.model_dir)
-                        if s % self.updates}
-    for name in tf.io.gfile.listdir(folder):
-      if name.endswith(".npz") and name[:-4].isdigit() and int(name[:-4]) not in needed:
-        tf.io.gfile.remove(os.path.join(folder, name))
+    on_disk = [int(n[:-4]) for n in tf.io.gfile.listdir(folder) if n.endswith(".npz") and n[:-4].isdigit()]
+    for stale in stale_cycles(on_disk, checkpointing.committed_steps(self.exp.config.model_dir), self.updates):
+      tf.io.gfile.remove(os.path.join(folder, f"{stale}.npz"))
 
   def _load(self, cycle: int, step: int) -> None:
     path = self.path(cycle)
