@@ -1,6 +1,7 @@
 """`python tests/forkserver_probe.py CODE`: prints what a launch sees of its process as JSON, then exits with CODE,
 printing "thread" from a non-daemon thread still running at the exit and then "atexit" from an atexit handler
-(tests/test_forkserver.py compares a launch through the fork server with a plain one)."""
+(tests/test_forkserver.py compares a launch through the fork server with a plain one).
+`python tests/forkserver_probe.py wait`: sleeps, a launch still running when a test signals it."""
 
 import atexit
 import io
@@ -14,6 +15,8 @@ import jax
 
 
 def main():
+  if sys.argv[1] == "wait":
+    time.sleep(600)
   print("to stderr", file=sys.stderr)
   print(json.dumps({
       "pid": os.getpid(), "argv": sys.argv, "orig_argv": sys.orig_argv[1:], "cwd": os.getcwd(), "path0": sys.path[0],

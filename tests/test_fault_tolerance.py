@@ -1,14 +1,11 @@
 """Fault tolerance: exact resume after kill -9 and SIGTERM, non-finite steps skipped / stopped / rolled back."""
 
-import dataclasses
-import json
 import logging
 import os
 import random
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -16,6 +13,7 @@ import pytest
 
 from tests import conftest
 from tests import forkserver
+from tests import interrupt
 
 from t5x_like.training import checkpointing as checkpoints
 from t5x_like.training import fault_tolerance
@@ -141,25 +139,10 @@ def _launch(model_dir, data_dir, steps=STEPS):
                           stderr=subprocess.STDOUT)
 
 
-def _logged_steps(model_dir) -> list:
-  try:
-    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
-      return [json.loads(line)["step"] for line in f if line.endswith("\n")]
-  except (OSError, ValueError):
-    return []
-
-
 def _interrupt(model_dir, data_dir, at_step: int, sig) -> int:
   """Launches a run and sends it `sig` once this launch has logged a step ≥ at_step; returns the exit code."""
-  seen = len(_logged_steps(model_dir))
-  proc = _launch(model_dir, data_dir)
-  deadline = time.time() + 240
-  while max(_logged_steps(model_dir)[seen:], default=0) < at_step and proc.poll() is None:
-    assert time.time() < deadline, "the run made no progress"
-    time.sleep(0.02)
-  if proc.poll() is None:
-    proc.send_signal(sig)
-  return proc.wait(timeout=240)
+  seen = len(interrupt.logged(model_dir))
+  return interrupt.signal_at_step(_launch(model_dir, data_dir), model_dir, at_step, sig, seen=seen)
 
 
 def _losses(model_dir) -> dict:
@@ -211,7 +194,7 @@ def test_sigterm_then_kill_9_then_resume_is_bit_identical(reference_run, data_di
   model_dir = str(base / "interrupted")
   code = _interrupt(model_dir, data_dir, 10, signal.SIGTERM)
   assert code == fault_tolerance.EXIT_PREEMPTED
-  stopped_at = max(_logged_steps(model_dir))
+  stopped_at = max(r["step"] for r in interrupt.logged(model_dir))
   assert 10 <= stopped_at < STEPS - 12
   assert checkpoints.committed_steps(model_dir)[-1] == stopped_at  # saved at the signal's step
   assert "SIGTERM at step" in open(model_dir + ".log").read()

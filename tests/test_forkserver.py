@@ -52,8 +52,8 @@ def test_a_served_launch_sees_what_a_plain_launch_sees():
 
 
 def test_kill_9_reaches_the_launch_and_its_status_is_popens():
-  proc = forkserver.Popen([sys.executable, "-m", "t5x_like.train", "--gin_file=configs/models/gpt_tiny.gin"],
-                          cwd=forkserver.REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+  proc = forkserver.Popen([sys.executable, "tests/forkserver_probe.py", "wait"], cwd=forkserver.REPO,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
   assert isinstance(proc, forkserver.Launched) and proc.poll() is None
   proc.send_signal(signal.SIGKILL)
   assert proc.wait(timeout=60) == -signal.SIGKILL

@@ -1,16 +1,15 @@
 """Exact resume for every optimizer: Muon, Adafactor, Lion and SGD in process from a checkpoint with the newer ones
 lost (AdamW through the CLI after kill -9: test_fault_tolerance); a WSD run cut mid-constant decays from there."""
 
-import json
 import os
 import shutil
 import signal
 import subprocess
-import time
 
 import pytest
 
 from tests import forkserver
+from tests import interrupt
 from tests import test_fault_tolerance
 from tests.test_fault_tolerance import REPO, launch_args, launch_env
 from t5x_like.training import checkpointing as checkpoints
@@ -26,30 +25,15 @@ def _launch(model_dir, data_dir, steps, *extra):
                           stdout=log, stderr=subprocess.STDOUT)
 
 
-def _records(model_dir) -> list:
-  try:
-    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
-      return [json.loads(line) for line in f if line.endswith("\n")]
-  except (OSError, ValueError):
-    return []
-
-
 def _run_until(model_dir, data_dir, steps, at_step, sig, *extra) -> int:
   """Launches a run, sends `sig` once it logged a step >= at_step, returns its exit code."""
-  seen = len(_records(model_dir))
-  proc = _launch(model_dir, data_dir, steps, *extra)
-  deadline = time.time() + 240
-  while max((r["step"] for r in _records(model_dir)[seen:] if "loss" in r), default=0) < at_step:
-    assert proc.poll() is None, f"the run ended ({proc.returncode}) before step {at_step}"
-    assert time.time() < deadline, "the run made no progress"
-    time.sleep(0.02)
-  proc.send_signal(sig)
-  return proc.wait(timeout=240)
+  seen = len(interrupt.logged(model_dir))
+  return interrupt.signal_at_step(_launch(model_dir, data_dir, steps, *extra), model_dir, at_step, sig, seen=seen)
 
 
 def _losses(model_dir) -> dict:
   out = {}
-  for r in _records(model_dir):
+  for r in interrupt.logged(model_dir):
     if "loss" in r:
       out.setdefault(r["step"], []).append(r["loss"])
   return out
@@ -97,7 +81,7 @@ def test_wsd_cut_mid_constant_decays_from_there(tmp_path, corpus):
   total = stopped + 4  # its last 40% (≥ 4 steps from S = 6) all after S: every relaunched step decays
   assert _launch(model_dir, data_dir, total, *wsd, "--gin.optimizer.OptimizerConfig.decay_fraction=0.4").wait(
       timeout=300) == 0
-  lr = {r["step"]: r["lr"] for r in _records(model_dir) if "lr" in r}
+  lr = {r["step"]: r["lr"] for r in interrupt.logged(model_dir) if "lr" in r}
   assert [lr[s] for s in range(3, stopped + 1)] == pytest.approx([0.001] * (stopped - 2))  # constant stage
   schedule = opt.learning_rate_schedule(opt.OptimizerConfig(decay="wsd", warmup_steps=2, learning_rate=0.001,
                                                             min_lr_ratio=0.0, decay_fraction=0.4), total)

@@ -13,12 +13,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from tests import conftest
 from tests import forkserver
+from tests import interrupt
 from tests import test_multihost
 from tests.test_dpo import SEQ as DPO_SEQ
 from tests.test_dpo import prefs  # pylint: disable=unused-import  (a fixture)
@@ -26,7 +26,6 @@ from tests.test_dpo import run_config as dpo_run_config
 from tests.test_finetune import OPT, REPO, TINY, model_params, run_config
 from tests.test_grpo import chat_data  # pylint: disable=unused-import  (a fixture)
 
-from t5x_like.observe import metrics as metrics_lib
 from t5x_like.posttrain import ppo_rollout
 from t5x_like.recipes import experiment as experiment_lib
 from t5x_like.training import checkpointing
@@ -65,10 +64,9 @@ def _launch(method, model_dir, data_dir, base_dir, *, steps=STEPS, mesh="'data':
 def _records(model_dir) -> dict:
   """{step: [its logged training record, once per launch that logged it]}."""
   out = {}
-  if os.path.exists(os.path.join(model_dir, "metrics.jsonl")):
-    for r in metrics_lib.read_metrics(str(model_dir)):
-      if "loss" in r:
-        out.setdefault(r["step"], []).append(r)
+  for r in interrupt.logged(model_dir):
+    if "loss" in r:
+      out.setdefault(r["step"], []).append(r)
   return out
 
 
@@ -89,19 +87,15 @@ def test_kill_9_then_resume_redoes_the_lost_steps_bit_for_bit(method, prefs, cha
   base_dir = _base(method, data_dir, tmp_path)
   killed = str(tmp_path / method)
   proc = _launch(method, killed, data_dir, base_dir)
-  deadline = time.time() + 240
 
   def replayable() -> bool:  # a committed checkpoint and >= 2 steps logged after it: the relaunch redoes them
     steps = checkpointing.committed_steps(killed) if os.path.isdir(checkpointing.checkpoint_dir(killed)) else []
-    if method == "ppo":  # the checkpoint must lie inside a cycle (3 updates each): step 4, 8, 16 or 20
-      steps = [s for s in steps if s % 3]
-    return bool(steps) and max(_records(killed), default=0) >= steps[-1] + 2
+    if not steps or (method == "ppo" and steps[-1] % 3 == 0):  # PPO: inside a cycle (3 updates): 4, 8, 16 or 20
+      return False
+    return max(_records(killed), default=0) >= steps[-1] + 2
 
-  while not replayable() and proc.poll() is None:
-    assert time.time() < deadline, "the run made no progress"
-    time.sleep(0.005)
-  proc.send_signal(signal.SIGKILL)
-  assert proc.wait(timeout=60) == -signal.SIGKILL, open(killed + ".log").read()[-2000:]  # it finished first?
+  interrupt.signal_when(proc, replayable, signal.SIGKILL, what="a checkpoint with 2 steps logged after it")
+  assert proc.wait(timeout=60) == -signal.SIGKILL, open(killed + ".log").read()[-2000:]
   resumed_from = checkpointing.committed_steps(killed)[-1]
   if method == "ppo":
     cycle = resumed_from // 3 + 1

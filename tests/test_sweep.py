@@ -8,17 +8,18 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import types
 
 import pytest
 
 from tests import conftest
 from tests import forkserver
+from tests import interrupt
 
 from t5x_like.experiments import sweep
 from t5x_like.experiments import sweep_data
 from t5x_like.experiments import sweep_report
+from t5x_like.training import checkpointing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = ["configs/models/gpt_tiny.gin", "configs/runs/pretrain.gin"]
@@ -210,12 +211,12 @@ def test_sweep_killed_mid_way_and_relaunched_gives_the_same_table(corpus, tmp_pa
   cli_env = dict(env(), MLFLOW_ALLOW_FILE_STORE="true", WANDB_MODE="offline")
   with open(str(tmp_path / "sweep.log"), "ab") as log:
     proc = forkserver.Popen(command, cwd=REPO, env=cli_env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 600
-    while proc.poll() is None and not any(s >= 8 for s in _logged_steps(last)):
-      assert time.time() < deadline, "the sweep made no progress"
-      time.sleep(0.05)
-    assert proc.poll() is None, open(str(tmp_path / "sweep.log")).read()[-2000:]
-    proc.send_signal(signal.SIGKILL)
+
+    def resumable() -> bool:  # the last run logged step 8 and has not committed its step-12 checkpoint
+      saved = checkpointing.committed_steps(last) if os.path.isdir(checkpointing.checkpoint_dir(last)) else []
+      return any(s >= 8 for s in _logged_steps(last)) and saved[-1:] in ([4], [8])
+
+    interrupt.signal_when(proc, resumable, signal.SIGKILL, what="step 8 of the last run", timeout=600)
     assert proc.wait(timeout=60) == -signal.SIGKILL
     assert _table_missing(interrupted)
     assert forkserver.run(command, cwd=REPO, env=cli_env, stdout=log, stderr=subprocess.STDOUT,

@@ -1,0 +1,108 @@
+"""A signal to a running launch at a point of its run that the test checked on a frozen launch.
+
+A test that polls a launch's MODEL_DIR and then signals it lands the signal some time after its check held: on a
+loaded machine the launch may log more steps, or commit a checkpoint it was saving in the background, in between.
+`signal_when` checks twice: when the check holds it stops the launch and its children (SIGSTOP: none of their
+threads runs, nothing more is logged or committed), checks again on what they left, and signals only if it still
+holds; otherwise it lets them go on and polls again. What the test then finds in MODEL_DIR is what the check saw.
+"""
+
+import json
+import os
+import signal
+import time
+
+
+def _descendants(pid: int) -> list:
+  parents = {}
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        with open(f"/proc/{entry}/stat") as f:
+          parents.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+      except (OSError, IndexError):
+        pass  # ended meanwhile
+  out, todo = [], [pid]
+  while todo:
+    children = parents.get(todo.pop(), [])
+    out += children
+    todo += children
+  return out
+
+
+def _running_threads(pid: int) -> int:
+  """How many of `pid`'s threads are neither stopped nor ended."""
+  try:
+    tids = os.listdir(f"/proc/{pid}/task")
+  except OSError:
+    return 0
+  running = 0
+  for tid in tids:
+    try:
+      with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        running += f.read().rsplit(")", 1)[1].split()[0] not in "TtZX"
+    except OSError:
+      pass
+  return running
+
+
+def _freeze(pid: int) -> list:
+  """Stops `pid` and then its descendants; returns them once no thread of theirs runs."""
+  frozen = []
+  for target in [pid] + _descendants(pid):
+    try:
+      os.kill(target, signal.SIGSTOP)
+      frozen.append(target)
+    except ProcessLookupError:
+      pass
+  deadline = time.time() + 30
+  while any(_running_threads(p) for p in frozen):
+    assert time.time() < deadline, f"processes {frozen} did not stop in 30 s"
+    time.sleep(0.001)
+  return frozen
+
+
+def _thaw(frozen) -> None:
+  for target in frozen:
+    try:
+      os.kill(target, signal.SIGCONT)
+    except ProcessLookupError:
+      pass
+
+
+def signal_when(proc, ready, sig, *, what: str, timeout: float = 240, poll: float = 0.005) -> None:
+  """Sends `sig` to the launch `proc` (a Popen) once `ready()` holds of a frozen launch (see the module docstring).
+
+  SIGKILL ends the launch stopped (its children die with it where they ask to, as a sweep's runs do); any other
+  signal is handled once the launch goes on. Fails, naming `what`, if the launch ends first or `timeout` passes."""
+  deadline = time.time() + timeout
+  while True:
+    assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {what}"
+    assert time.time() < deadline, f"no {what} in {timeout:.0f} s"
+    if ready():
+      frozen = _freeze(proc.pid)
+      if proc.pid in frozen and ready():
+        os.kill(proc.pid, sig)
+        if sig == signal.SIGKILL:
+          proc.wait(timeout=60)  # its children, thawed below, go on only if they do not die with it
+        _thaw(frozen)
+        return
+      _thaw(frozen)
+    time.sleep(poll)
+
+
+def logged(model_dir) -> list:
+  """The records a launch has written to MODEL_DIR/metrics.jsonl so far: the lines it finished ([] before any)."""
+  try:
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+      return [json.loads(line) for line in f if line.endswith("\n")]
+  except FileNotFoundError:
+    return []
+
+
+def signal_at_step(proc, model_dir, at_step: int, sig, *, seen: int = 0) -> int:
+  """Sends `sig` once the launch has logged a training step >= at_step in its records (those past the first `seen`,
+  an earlier launch's), checked on the frozen launch; returns its exit code."""
+  steps = lambda: [r["step"] for r in logged(model_dir)[seen:] if "loss" in r]
+  signal_when(proc, lambda: max(steps(), default=0) >= at_step, sig, what=f"step {at_step}")
+  return proc.wait(timeout=240)
