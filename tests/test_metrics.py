@@ -1,7 +1,6 @@
 """Metric arithmetic without a training run: interval averages, throughput, progress line, exporter, profiler."""
 
 import math
-import time
 import urllib.request
 
 import jax.numpy as jnp
@@ -33,35 +32,60 @@ def test_perplexity_of_a_huge_or_nonfinite_loss_is_inf():
   assert metrics.perplexity(1.0) == math.e
 
 
-def test_meter_leaves_the_compile_step_out_of_throughput_and_counts_nonfinite_steps():
+class Clock:
+  """The meter's clock in these tests (metrics.time): it moves only when the test says, so the figures are exact."""
+
+  def __init__(self):
+    self.now = 1000.0
+
+  def perf_counter(self) -> float:
+    return self.now
+
+  def sleep(self, seconds: float) -> None:
+    self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+  fake = Clock()
+  monkeypatch.setattr(metrics, "time", fake)
+  return fake
+
+
+def test_meter_leaves_the_compile_step_out_of_throughput_and_counts_nonfinite_steps(clock):
+  def step(meter, data_seconds, compute_seconds, nonfinite, compiling=False):
+    meter.begin_step()
+    clock.sleep(data_seconds)
+    meter.data_ready()
+    clock.sleep(compute_seconds)
+    meter.end_step(step_record(4.0, 10, nonfinite=nonfinite), compiling=compiling)
+
   meter = metrics.IntervalMeter(tokens_per_step=1000, num_devices=4, flops_per_token=6e6,
                                 peak_flops_per_device=1e12)
-  meter.begin_step()
-  meter.data_ready()
-  time.sleep(0.2)  # a slow "compile"
-  meter.end_step(step_record(5.0, 10, nonfinite=1), compiling=True)
-  first = meter.summary()
-  assert first["compile_seconds"] >= 0.2
-  assert "tokens_per_sec" not in first  # nothing but the compile step was timed
-  assert first["nonfinite_steps"] == 1 and first["nonfinite_steps_total"] == 1
+  step(meter, 0.05, 0.2, 1, compiling=True)  # a slow "compile", in the same interval as the next three steps
   for _ in range(3):
-    meter.begin_step()
-    time.sleep(0.01)
-    meter.data_ready()
-    time.sleep(0.02)
-    meter.end_step(step_record(4.0, 10, nonfinite=1))
+    step(meter, 0.01, 0.02, 1)
   out = meter.summary()
-  assert "compile_seconds" not in out
-  assert out["nonfinite_steps"] == 3 and out["nonfinite_steps_total"] == 4
-  assert 0.03 <= out["step_seconds"] < 0.2  # the 0.2 s compile is not in it
-  assert out["data_wait_seconds"] + out["compute_seconds"] == pytest.approx(out["step_seconds"])
-  assert out["tokens_per_sec"] == pytest.approx(1000 / out["step_seconds"])
+  assert out["compile_seconds"] == pytest.approx(0.2)
+  assert out["nonfinite_steps"] == 4 and out["nonfinite_steps_total"] == 4
+  assert out["step_seconds"] == pytest.approx(0.03)  # the compile step is not in it
+  assert out["data_wait_seconds"] == pytest.approx(0.01) and out["compute_seconds"] == pytest.approx(0.02)
+  assert out["tokens_per_sec"] == pytest.approx(1000 / 0.03)
   assert out["tokens_per_sec_per_device"] == pytest.approx(out["tokens_per_sec"] / 4)
   assert out["mfu"] == pytest.approx(out["tokens_per_sec"] * 6e6 / (4 * 1e12))
   assert out["memory/host_rss_peak_bytes"] > 0
+  for _ in range(2):
+    step(meter, 0.0, 0.04, 0)
+  out = meter.summary()
+  assert "compile_seconds" not in out and out["step_seconds"] == pytest.approx(0.04)
+  assert out["nonfinite_steps"] == 0 and out["nonfinite_steps_total"] == 4
+  alone = metrics.IntervalMeter(tokens_per_step=1000, num_devices=4, flops_per_token=6e6, peak_flops_per_device=1e12)
+  step(alone, 0.0, 0.2, 0, compiling=True)
+  out = alone.summary()  # logged at step 1: nothing but the compile step was timed
+  assert out["compile_seconds"] == pytest.approx(0.2) and "tokens_per_sec" not in out
 
 
-def test_an_evaluation_between_intervals_is_not_subtracted_from_the_next_interval():
+def test_an_evaluation_between_intervals_is_not_subtracted_from_the_next_interval(clock):
   """A log step, then an evaluation (excluded time) before the next interval's first step: the next interval's
   step time is its own steps' time, never less (it came out negative when the eval was subtracted)."""
   meter = metrics.IntervalMeter(tokens_per_step=10, num_devices=1, flops_per_token=1.0, peak_flops_per_device=1.0)
@@ -70,13 +94,13 @@ def test_an_evaluation_between_intervals_is_not_subtracted_from_the_next_interva
   meter.end_step(step_record(1.0, 10), compiling=True)
   meter.summary()
   with meter.excluded():  # the eval hook after the log hook
-    time.sleep(0.1)
+    clock.sleep(0.1)
   for _ in range(2):
     meter.begin_step()
     meter.data_ready()
-    time.sleep(0.02)
+    clock.sleep(0.02)
     meter.end_step(step_record(1.0, 10))
-  assert 0.02 <= meter.summary()["step_seconds"] < 0.1
+  assert meter.summary()["step_seconds"] == pytest.approx(0.02)
 
 
 def test_progress_line_shows_step_loss_throughput_mfu_and_eta():
