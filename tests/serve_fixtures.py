@@ -173,10 +173,15 @@ class Chromium:
           raise RuntimeError(f"{method}: {reply['error']}")
         return reply["result"]
 
-  def open(self, url: str) -> str:
-    """A new tab at `url`; returns its session id."""
-    target = self.call("Target.createTarget", url=url)["targetId"]
-    return self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+  def open(self, url: str, first_script: str | None = None) -> str:
+    """A new tab at `url`, where `first_script` (JavaScript) runs before the page's own; returns its session id."""
+    target = self.call("Target.createTarget", url="about:blank" if first_script else url)["targetId"]
+    session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+    if first_script:
+      self.call("Page.enable", session)
+      self.call("Page.addScriptToEvaluateOnNewDocument", session, source=first_script)
+      self.call("Page.navigate", session, url=url)
+    return session
 
   def evaluate(self, session: str, expression: str):
     return self.call("Runtime.evaluate", session, expression=expression, returnByValue=True)["result"].get("value")
