@@ -12,6 +12,7 @@ import pytest
 
 from tests import conftest
 from tests import forkserver
+from tests import interrupt
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,9 +84,8 @@ def test_two_processes_match_one_survive_a_dead_peer_and_checkpoints_cross_over(
   def finalized():  # a step directory appears only once orbax has committed (renamed) the save
     return [int(d) for d in os.listdir(checkpoints) if d.isdigit()] if os.path.isdir(checkpoints) else []
 
-  def logged():
-    with open(metrics) as f:
-      return [r["step"] for r in map(json.loads, f) if "loss" in r]
+  def logged():  # the lines process 0 finished writing
+    return [r["step"] for r in interrupt.logged(model_dir) if "loss" in r]
 
   deadline = time.time() + 300
   while time.time() < deadline and not (finalized() and os.path.exists(metrics) and len(logged()) >= 3):

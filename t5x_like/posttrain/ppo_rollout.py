@@ -40,7 +40,8 @@ def stale_cycles(on_disk, committed, updates: int) -> list:
 
   A checkpoint at step s resumes at step s + 1, inside cycle s // updates + 1 unless s ends a cycle. Saves are
   asynchronous: one started before this cycle began may commit after it, at a step past the newest committed one,
-  so every cycle from the newest committed checkpoint's on is kept too."""
+  so every cycle from the newest committed checkpoint's on is kept too. (This holds while a save starts only once
+  the one before it committed, as fault_tolerance.Saver.save settles it.)"""
   newest = max(committed, default=0)
   needed = {s // updates + 1 for s in committed if s % updates}
   return sorted(k for k in on_disk if k not in needed and k < newest // updates + 1)
