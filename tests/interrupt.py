@@ -70,15 +70,24 @@ def _thaw(frozen) -> None:
       pass
 
 
-def signal_when(proc, ready, sig, *, what: str, timeout: float = 240, poll: float = 0.005) -> None:
+def _tail(log) -> str:
+  try:
+    with open(log, errors="replace") as f:
+      return "\n" + f.read()[-2000:]
+  except (OSError, TypeError):
+    return ""
+
+
+def signal_when(proc, ready, sig, *, what: str, log=None, timeout: float = 240, poll: float = 0.005) -> None:
   """Sends `sig` to the launch `proc` (a Popen) once `ready()` holds of a frozen launch (see the module docstring).
 
   SIGKILL ends the launch stopped (its children die with it where they ask to, as a sweep's runs do); any other
-  signal is handled once the launch goes on. Fails, naming `what`, if the launch ends first or `timeout` passes."""
+  signal is handled once the launch goes on. Fails, naming `what` and showing the end of the launch's `log` file,
+  if the launch ends first or `timeout` passes."""
   deadline = time.time() + timeout
   while True:
-    assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {what}"
-    assert time.time() < deadline, f"no {what} in {timeout:.0f} s"
+    assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {what}" + _tail(log)
+    assert time.time() < deadline, f"no {what} in {timeout:.0f} s" + _tail(log)
     if ready():
       frozen = _freeze(proc.pid)
       if proc.pid in frozen and ready():
@@ -102,7 +111,7 @@ def logged(model_dir) -> list:
 
 def signal_at_step(proc, model_dir, at_step: int, sig, *, seen: int = 0) -> int:
   """Sends `sig` once the launch has logged a training step >= at_step in its records (those past the first `seen`,
-  an earlier launch's), checked on the frozen launch; returns its exit code."""
+  an earlier launch's), checked on the frozen launch; returns its exit code. Its log: MODEL_DIR + ".log"."""
   steps = lambda: [r["step"] for r in logged(model_dir)[seen:] if "loss" in r]
-  signal_when(proc, lambda: max(steps(), default=0) >= at_step, sig, what=f"step {at_step}")
+  signal_when(proc, lambda: max(steps(), default=0) >= at_step, sig, what=f"step {at_step}", log=f"{model_dir}.log")
   return proc.wait(timeout=240)

@@ -347,7 +347,8 @@ def test_lora_kill_9_then_resume_is_bit_identical_and_merges_through_the_cli(cor
       return False
     return max(_losses(killed), default=0) >= checkpointing.committed_steps(killed)[-1] + 2
 
-  interrupt.signal_when(proc, replayable, signal.SIGKILL, what="a checkpoint with 2 steps logged after it")
+  interrupt.signal_when(proc, replayable, signal.SIGKILL, what="a checkpoint with 2 steps logged after it",
+                        log=killed + ".log")
   assert proc.wait(timeout=60) == -signal.SIGKILL, open(killed + ".log").read()[-2000:]
   before = _losses(killed)
   assert _launch(killed, corpus, base_dir).wait(timeout=300) == 0, open(killed + ".log").read()[-3000:]

@@ -94,7 +94,8 @@ def test_kill_9_then_resume_redoes_the_lost_steps_bit_for_bit(method, prefs, cha
       return False
     return max(_records(killed), default=0) >= steps[-1] + 2
 
-  interrupt.signal_when(proc, replayable, signal.SIGKILL, what="a checkpoint with 2 steps logged after it")
+  interrupt.signal_when(proc, replayable, signal.SIGKILL, what="a checkpoint with 2 steps logged after it",
+                        log=killed + ".log")
   assert proc.wait(timeout=60) == -signal.SIGKILL, open(killed + ".log").read()[-2000:]
   resumed_from = checkpointing.committed_steps(killed)[-1]
   if method == "ppo":

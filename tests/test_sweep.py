@@ -216,7 +216,8 @@ def test_sweep_killed_mid_way_and_relaunched_gives_the_same_table(corpus, tmp_pa
       saved = checkpointing.committed_steps(last) if os.path.isdir(checkpointing.checkpoint_dir(last)) else []
       return any(s >= 8 for s in _logged_steps(last)) and saved[-1:] in ([4], [8])
 
-    interrupt.signal_when(proc, resumable, signal.SIGKILL, what="step 8 of the last run", timeout=600)
+    interrupt.signal_when(proc, resumable, signal.SIGKILL, what="step 8 of the last run", timeout=600,
+                          log=str(tmp_path / "sweep.log"))
     assert proc.wait(timeout=60) == -signal.SIGKILL
     assert _table_missing(interrupted)
     assert forkserver.run(command, cwd=REPO, env=cli_env, stdout=log, stderr=subprocess.STDOUT,
