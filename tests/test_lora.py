@@ -343,9 +343,11 @@ def test_lora_kill_9_then_resume_is_bit_identical_and_merges_through_the_cli(cor
   proc = _launch(killed, corpus, base_dir)
 
   def replayable() -> bool:  # a committed checkpoint and >= 2 steps logged after it: the relaunch redoes them
-    if not os.path.isdir(checkpointing.checkpoint_dir(killed)) or not checkpointing.committed_steps(killed):
+    logged = max(_losses(killed), default=0)
+    if logged < 6 or not os.path.isdir(checkpointing.checkpoint_dir(killed)):  # 6: CHECKPOINT_EVERY=4, then 2 more
       return False
-    return max(_losses(killed), default=0) >= checkpointing.committed_steps(killed)[-1] + 2
+    steps = checkpointing.committed_steps(killed)
+    return bool(steps) and logged >= steps[-1] + 2
 
   interrupt.signal_when(proc, replayable, signal.SIGKILL, what="a checkpoint with 2 steps logged after it",
                         log=killed + ".log")

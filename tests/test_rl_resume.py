@@ -89,10 +89,13 @@ def test_kill_9_then_resume_redoes_the_lost_steps_bit_for_bit(method, prefs, cha
   proc = _launch(method, killed, data_dir, base_dir)
 
   def replayable() -> bool:  # a committed checkpoint and >= 2 steps logged after it: the relaunch redoes them
-    steps = checkpointing.committed_steps(killed) if os.path.isdir(checkpointing.checkpoint_dir(killed)) else []
+    logged = max(_records(killed), default=0)
+    if logged < EVERY + 2 or not os.path.isdir(checkpointing.checkpoint_dir(killed)):
+      return False
+    steps = checkpointing.committed_steps(killed)
     if not steps or (method == "ppo" and steps[-1] % 3 == 0):  # PPO: inside a cycle (3 updates): 4, 8, 16 or 20
       return False
-    return max(_records(killed), default=0) >= steps[-1] + 2
+    return logged >= steps[-1] + 2
 
   interrupt.signal_when(proc, replayable, signal.SIGKILL, what="a checkpoint with 2 steps logged after it",
                         log=killed + ".log")

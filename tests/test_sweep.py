@@ -213,10 +213,10 @@ def test_sweep_killed_mid_way_and_relaunched_gives_the_same_table(corpus, tmp_pa
     proc = forkserver.Popen(command, cwd=REPO, env=cli_env, stdout=log, stderr=subprocess.STDOUT)
 
     def resumable() -> bool:  # the last run logged step 8 and has not committed its step-12 checkpoint
-      saved = checkpointing.committed_steps(last) if os.path.isdir(checkpointing.checkpoint_dir(last)) else []
-      return any(s >= 8 for s in _logged_steps(last)) and saved[-1:] in ([4], [8])
+      return (any(s >= 8 for s in _logged_steps(last)) and os.path.isdir(checkpointing.checkpoint_dir(last))
+              and checkpointing.committed_steps(last)[-1:] in ([4], [8]))
 
-    interrupt.signal_when(proc, resumable, signal.SIGKILL, what="step 8 of the last run", timeout=600,
+    interrupt.signal_when(proc, resumable, signal.SIGKILL, what="step 8 of the last run", timeout=600, poll=0.05,
                           log=str(tmp_path / "sweep.log"))
     assert proc.wait(timeout=60) == -signal.SIGKILL
     assert _table_missing(interrupted)
