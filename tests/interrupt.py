@@ -46,9 +46,8 @@ def _running_threads(pid: int) -> int:
   return running
 
 
-def _freeze(pid: int) -> list:
-  """Stops `pid` and then its descendants; returns them once no thread of theirs runs."""
-  frozen = []
+def _freeze(pid: int, frozen: list) -> None:
+  """Stops `pid` and then its descendants, adding each to `frozen`; returns once no thread of theirs runs."""
   for target in [pid] + _descendants(pid):
     try:
       os.kill(target, signal.SIGSTOP)
@@ -59,7 +58,6 @@ def _freeze(pid: int) -> list:
   while any(_running_threads(p) for p in frozen):
     assert time.time() < deadline, f"processes {frozen} did not stop in 30 s"
     time.sleep(0.001)
-  return frozen
 
 
 def _thaw(frozen) -> None:
@@ -90,14 +88,16 @@ def signal_when(proc, ready, sig, *, what: str, log=None, timeout: float = 240, 
     assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {what}" + _tail(log)
     assert time.time() < deadline, f"no {what} in {timeout:.0f} s" + _tail(log)
     if ready():
-      frozen = _freeze(proc.pid)
-      if proc.pid in frozen and ready():
-        os.kill(proc.pid, sig)
-        if sig == signal.SIGKILL:
-          proc.wait(timeout=60)  # its children, thawed below, go on only if they do not die with it
+      frozen = []
+      try:  # whatever happens, nothing stays stopped
+        _freeze(proc.pid, frozen)
+        if proc.pid in frozen and ready():
+          os.kill(proc.pid, sig)
+          if sig == signal.SIGKILL:
+            proc.wait(timeout=60)  # its children, thawed below, go on only if they do not die with it
+          return
+      finally:
         _thaw(frozen)
-        return
-      _thaw(frozen)
     time.sleep(poll)
 
 
