@@ -155,14 +155,22 @@ def test_explained_variance():
 
 
 def test_rollouts_are_kept_while_a_committed_or_in_flight_checkpoint_resumes_into_their_cycle():
-  """3 updates per cycle. CI's race: the step-4 save (resumes in cycle 2) was still in flight when cycle 3 began, so
-  cycle 2's rollout must outlive a listing of committed checkpoints that does not show step 4 yet."""
-  assert ppo_rollout.stale_cycles([1, 2, 3], committed=[], updates=3) == []
-  assert ppo_rollout.stale_cycles([1, 2, 3], committed=[3], updates=3) == [1]  # 3 ends cycle 1; a save in flight: 2
-  assert ppo_rollout.stale_cycles([1, 2, 3], committed=[4], updates=3) == [1]
-  assert ppo_rollout.stale_cycles([2, 3, 4], committed=[4, 8], updates=3) == []  # 2: step 4, 3: step 8, 4: current
-  assert ppo_rollout.stale_cycles([2, 3, 4, 5], committed=[4, 8, 12], updates=3) == [4]  # 12 ends cycle 4
-  assert ppo_rollout.stale_cycles([2, 3, 5, 6], committed=[8, 12], updates=3) == [2]  # 4 was dropped (keep=N)
+  """3 updates per cycle, checkpoints every 4 steps unless said. CI's race: cycle 3 began (step 7) while the step-4
+  save (it resumes in cycle 2) was still being written, so cycle 2's rollout must outlive a listing of committed
+  checkpoints that does not show step 4 yet."""
+  stale = lambda on_disk, committed, cycle, every=4: ppo_rollout.stale_cycles(on_disk, committed, 3, cycle, every)
+  assert stale([1, 2, 3], committed=[], cycle=3) == [1]  # the step-4 save in flight: cycle 2 kept
+  assert stale([1, 2, 3], committed=[4], cycle=3) == [1]
+  assert stale([2, 3, 4], committed=[4, 8], cycle=4) == []  # 2: step 4, 3: step 8, 4: the current cycle
+  assert stale([2, 3, 4, 5], committed=[4, 8, 12], cycle=5) == [4]  # 12 ends cycle 4
+  assert stale([2, 3, 5, 6], committed=[8, 12], cycle=6) == [2, 5]  # 4 was dropped (keep=N)
+  assert stale([3, 5], committed=[12], cycle=3) == [5]  # rolled back past the newest checkpoint: the current stays
+  assert stale([1, 2], committed=[], cycle=2, every=0) == [1]  # no checkpoints but the last
+  # 4 updates a cycle, checkpoints every 10 (the PPO learning test below), cycle 10 begins at step 37: the step-30
+  # save may be in flight (8); 9 holds no checkpoint, and none can land in it any more
+  assert ppo_rollout.stale_cycles([3, 8, 9, 10], [10, 20, 30], 4, 10, 10) == [9]
+  assert ppo_rollout.stale_cycles([3, 8, 9, 10], [10, 20], 4, 10, 10) == [9]
+
 
 # ----------------------------------------------------------------------------------------------------
 # The step on sharded layouts: the policy with its value head (ScoredGPT) on packed rows of rollout features.
@@ -285,9 +293,8 @@ def test_ppo_raises_held_out_exact_match_with_trainer_equal_logprobs_and_resumes
     assert (record["rollout_seconds"] > 0) == (step % 4 == 1)  # a rollout every 4 updates
     if step % 4 == 1:
       assert record["ratio"] == 1.0 and record["clip_fraction"] == 0.0 and record["approx_kl"] == 0.0
-  # rollout files are kept only for cycles a checkpoint lies inside (10: cycle 3, 30: cycle 8) and those a save in
-  # flight when the last cycle began (37) might resume into (past 30: 9 and 10)
-  assert sorted(os.listdir(tmp_path / "ppo" / ppo_rollout.ROLLOUT_DIR)) == ["10.npz", "3.npz", "8.npz", "9.npz"]
+  # rollout files are kept only for cycles a checkpoint lies inside (10: cycle 3, 30: cycle 8) and the newest (10)
+  assert sorted(os.listdir(tmp_path / "ppo" / ppo_rollout.ROLLOUT_DIR)) == ["10.npz", "3.npz", "8.npz"]
   rewound = conftest.rewind(tmp_path / "ppo", tmp_path / "resumed", 10)
   trainer.train(dataclasses.replace(config, model_dir=rewound), MODEL, PPO_OPT)
   second = logged(rewound)

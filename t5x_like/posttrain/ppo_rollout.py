@@ -13,9 +13,9 @@ of the same tokens are compared with them as `rollout/logprob_gap`.
 
 Resuming. A run resumed at a cycle's first step samples the same rollout again (same parameters, same seeds). To
 resume inside a cycle, the rollout's arrays are kept in MODEL_DIR/ppo_rollouts/<k>.npz, written by the first
-process when the cycle begins and kept while a committed checkpoint, or a save still in flight, lies inside cycle
-k (`stale_cycles`); every process reads them back (a filesystem all processes share, as MODEL_DIR already is for
-checkpoints).
+process when the cycle begins and kept while a committed checkpoint, or the save that may still be in flight as a
+cycle begins, lies inside cycle k (`stale_cycles`); every process reads them back (a filesystem all processes share,
+as MODEL_DIR already is for checkpoints).
 """
 
 import io
@@ -35,16 +35,18 @@ from t5x_like.training import checkpointing
 ROLLOUT_DIR = "ppo_rollouts"
 
 
-def stale_cycles(on_disk, committed, updates: int) -> list:
-  """The cycles among `on_disk` whose rollout no checkpoint can resume into, now or once a save in flight commits.
+def stale_cycles(on_disk, committed, updates: int, cycle: int, checkpoint_every: int) -> list:
+  """The cycles among `on_disk` whose rollout no checkpoint can resume into, now or once a save in flight commits,
+  as cycle `cycle` begins.
 
   A checkpoint at step s resumes at step s + 1, inside cycle s // updates + 1 unless s ends a cycle. Saves are
-  asynchronous: one started before this cycle began may commit after it, at a step past the newest committed one,
-  so every cycle from the newest committed checkpoint's on is kept too. (This holds while a save starts only once
-  the one before it committed, as fault_tolerance.Saver.save settles it.)"""
-  newest = max(committed, default=0)
-  needed = {s // updates + 1 for s in committed if s % updates}
-  return sorted(k for k in on_disk if k not in needed and k < newest // updates + 1)
+  asynchronous: the last one started before this cycle, at the last multiple of `checkpoint_every` up to the step
+  before it, may commit after the listing `committed` was read, so its cycle is kept too. (One save is in flight at
+  most: fault_tolerance.Saver.save settles the one before it. The others are the end of the run's and a
+  preemption's, after which no cycle begins.) The current cycle is always kept."""
+  started = ((cycle - 1) * updates // checkpoint_every) * checkpoint_every if checkpoint_every else 0
+  keep = {cycle} | {s // updates + 1 for s in [*committed, started] if s > 0 and s % updates}
+  return sorted(k for k in on_disk if k not in keep)
 
 
 class PpoRollouts:
@@ -130,7 +132,8 @@ class PpoRollouts:
       f.write(buffer.getvalue())
     tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
     on_disk = [int(n[:-4]) for n in tf.io.gfile.listdir(folder) if n.endswith(".npz") and n[:-4].isdigit()]
-    for stale in stale_cycles(on_disk, checkpointing.committed_steps(self.exp.config.model_dir), self.updates):
+    committed = checkpointing.committed_steps(self.exp.config.model_dir)
+    for stale in stale_cycles(on_disk, committed, self.updates, cycle, self.exp.config.checkpoint_every):
       tf.io.gfile.remove(os.path.join(folder, f"{stale}.npz"))
 
   def _load(self, cycle: int, step: int) -> None:
