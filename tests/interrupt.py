@@ -30,6 +30,15 @@ def _descendants(pid: int) -> list:
   return out
 
 
+def _ended(pid: int) -> bool:
+  """Whether `pid` has exited (a zombie not yet reaped, or gone)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] in "ZX"
+  except OSError:
+    return True
+
+
 def _running_threads(pid: int) -> int:
   """How many of `pid`'s threads are neither stopped nor ended."""
   try:
@@ -91,7 +100,7 @@ def signal_when(proc, ready, sig, *, what: str, log=None, timeout: float = 240, 
       frozen = []
       try:  # whatever happens, nothing stays stopped
         _freeze(proc.pid, frozen)
-        if proc.pid in frozen and ready():
+        if proc.pid in frozen and not _ended(proc.pid) and ready():  # an ended launch: poll() reports it
           os.kill(proc.pid, sig)
           if sig == signal.SIGKILL:
             proc.wait(timeout=60)  # its children, thawed below, go on only if they do not die with it
