@@ -5,6 +5,7 @@ loaded machine the launch may log more steps, or commit a checkpoint it was savi
 `signal_when` checks twice: when the check holds it stops the launch and its children (SIGSTOP: none of their
 threads runs, nothing more is logged or committed), checks again on what they left, and signals only if it still
 holds; otherwise it lets them go on and polls again. What the test then finds in MODEL_DIR is what the check saw.
+`logged`, `by_step` and `losses` read what a launch logged, while it runs too.
 """
 
 import json
@@ -13,15 +14,20 @@ import signal
 import time
 
 
+def _stat(path: str) -> list:
+  """The fields of a /proc stat file after the command's name (state first, then the parent's pid); [] once gone."""
+  try:
+    with open(path) as f:
+      return f.read().rsplit(")", 1)[1].split()
+  except (OSError, IndexError):
+    return []
+
+
 def _descendants(pid: int) -> list:
   parents = {}
   for entry in os.listdir("/proc"):
-    if entry.isdigit():
-      try:
-        with open(f"/proc/{entry}/stat") as f:
-          parents.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-      except (OSError, IndexError):
-        pass  # ended meanwhile
+    if entry.isdigit() and (fields := _stat(f"/proc/{entry}/stat")):
+      parents.setdefault(int(fields[1]), []).append(int(entry))
   out, todo = [], [pid]
   while todo:
     children = parents.get(todo.pop(), [])
@@ -32,11 +38,7 @@ def _descendants(pid: int) -> list:
 
 def _ended(pid: int) -> bool:
   """Whether `pid` has exited (a zombie not yet reaped, or gone)."""
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] in "ZX"
-  except OSError:
-    return True
+  return (_stat(f"/proc/{pid}/stat") or ["X"])[0] in "ZX"
 
 
 def _running_threads(pid: int) -> int:
@@ -45,14 +47,7 @@ def _running_threads(pid: int) -> int:
     tids = os.listdir(f"/proc/{pid}/task")
   except OSError:
     return 0
-  running = 0
-  for tid in tids:
-    try:
-      with open(f"/proc/{pid}/task/{tid}/stat") as f:
-        running += f.read().rsplit(")", 1)[1].split()[0] not in "TtZX"
-    except OSError:
-      pass
-  return running
+  return sum((_stat(f"/proc/{pid}/task/{tid}/stat") or ["X"])[0] not in "TtZX" for tid in tids)
 
 
 def _freeze(pid: int, frozen: list) -> None:
@@ -119,9 +114,25 @@ def logged(model_dir) -> list:
     return []
 
 
-def signal_at_step(proc, model_dir, at_step: int, sig, *, seen: int = 0) -> int:
-  """Sends `sig` once the launch has logged a training step >= at_step in its records (those past the first `seen`,
-  an earlier launch's), checked on the frozen launch; returns its exit code. Its log: MODEL_DIR + ".log"."""
+def by_step(model_dir) -> dict:
+  """{step: [its training record, once per launch that logged it]}: a step redone after a kill appears twice."""
+  out = {}
+  for r in logged(model_dir):
+    if "loss" in r:
+      out.setdefault(r["step"], []).append(r)
+  return out
+
+
+def losses(model_dir) -> dict:
+  """{step: [loss, once per launch that logged it]}."""
+  return {step: [r["loss"] for r in records] for step, records in by_step(model_dir).items()}
+
+
+def signal_at_step(launch, model_dir, at_step: int, sig) -> int:
+  """Starts `launch()` (a Popen) and sends it `sig` once it has logged a training step >= at_step (past the records
+  of earlier launches), checked on the frozen launch; returns its exit code. Its log: MODEL_DIR + ".log"."""
+  seen = len(logged(model_dir))
+  proc = launch()
   steps = lambda: [r["step"] for r in logged(model_dir)[seen:] if "loss" in r]
   signal_when(proc, lambda: max(steps(), default=0) >= at_step, sig, what=f"step {at_step}", log=f"{model_dir}.log")
   return proc.wait(timeout=240)

@@ -141,20 +141,12 @@ def _launch(model_dir, data_dir, steps=STEPS):
 
 def _interrupt(model_dir, data_dir, at_step: int, sig) -> int:
   """Launches a run and sends it `sig` once this launch has logged a step ≥ at_step; returns the exit code."""
-  seen = len(interrupt.logged(model_dir))
-  return interrupt.signal_at_step(_launch(model_dir, data_dir), model_dir, at_step, sig, seen=seen)
-
-
-def _losses(model_dir) -> dict:
-  """{step: [loss, ...]}: a step logged twice (killed after logging, before its checkpoint) keeps both."""
-  out = {}
-  for r in _records(model_dir):
-    out.setdefault(r["step"], []).append(r["loss"])
-  return out
+  return interrupt.signal_at_step(lambda: _launch(model_dir, data_dir), model_dir, at_step, sig)
 
 
 def _assert_same_run(model_dir, reference):
-  losses, ref = _losses(model_dir), _losses(reference)
+  # a step logged twice (killed after logging, before its checkpoint) keeps both losses
+  losses, ref = interrupt.losses(model_dir), interrupt.losses(reference)
   assert sorted(losses) == sorted(ref) == list(range(1, STEPS + 1))
   for step, values in losses.items():
     assert all(v == ref[step][0] for v in values), (step, values, ref[step])  # bit for bit

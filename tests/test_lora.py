@@ -324,14 +324,6 @@ def _launch(model_dir, data_dir, base_dir):
   return forkserver.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _losses(model_dir) -> dict:
-  out = {}
-  for r in interrupt.logged(model_dir):
-    if "loss" in r:
-      out.setdefault(r["step"], []).append(r["loss"])
-  return out
-
-
 @pytest.mark.slow  # end to end: launches the CLI three times (train, train again, merge)
 def test_lora_kill_9_then_resume_is_bit_identical_and_merges_through_the_cli(corpus, tmp_path, monkeypatch,
                                                                                  capsys):
@@ -343,7 +335,7 @@ def test_lora_kill_9_then_resume_is_bit_identical_and_merges_through_the_cli(cor
   proc = _launch(killed, corpus, base_dir)
 
   def replayable() -> bool:  # a committed checkpoint and >= 2 steps logged after it: the relaunch redoes them
-    logged = max(_losses(killed), default=0)
+    logged = max(interrupt.losses(killed), default=0)
     if logged < 6 or not os.path.isdir(checkpointing.checkpoint_dir(killed)):  # 6: CHECKPOINT_EVERY=4, then 2 more
       return False
     steps = checkpointing.committed_steps(killed)
@@ -352,9 +344,9 @@ def test_lora_kill_9_then_resume_is_bit_identical_and_merges_through_the_cli(cor
   interrupt.signal_when(proc, replayable, signal.SIGKILL, what="a checkpoint with 2 steps logged after it",
                         log=killed + ".log")
   assert proc.wait(timeout=60) == -signal.SIGKILL, open(killed + ".log").read()[-2000:]
-  before = _losses(killed)
+  before = interrupt.losses(killed)
   assert _launch(killed, corpus, base_dir).wait(timeout=300) == 0, open(killed + ".log").read()[-3000:]
-  losses = _losses(killed)
+  losses = interrupt.losses(killed)
   assert sorted(losses) == list(range(1, CLI_STEPS + 1))
   replayed = [step for step, values in losses.items() if len(values) == 2]
   assert len(replayed) >= 2 and max(replayed) == max(before), (replayed, sorted(before))

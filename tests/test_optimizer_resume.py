@@ -27,16 +27,7 @@ def _launch(model_dir, data_dir, steps, *extra):
 
 def _run_until(model_dir, data_dir, steps, at_step, sig, *extra) -> int:
   """Launches a run, sends `sig` once it logged a step >= at_step, returns its exit code."""
-  seen = len(interrupt.logged(model_dir))
-  return interrupt.signal_at_step(_launch(model_dir, data_dir, steps, *extra), model_dir, at_step, sig, seen=seen)
-
-
-def _losses(model_dir) -> dict:
-  out = {}
-  for r in interrupt.logged(model_dir):
-    if "loss" in r:
-      out.setdefault(r["step"], []).append(r["loss"])
-  return out
+  return interrupt.signal_at_step(lambda: _launch(model_dir, data_dir, steps, *extra), model_dir, at_step, sig)
 
 
 @pytest.mark.slow  # two in-process trainings per optimizer (≈ 15 s each on 2 cores)
@@ -57,7 +48,7 @@ def test_resume_after_losing_the_newest_checkpoints_is_bit_identical(name, tmp_p
   for step in (4, 6):
     shutil.rmtree(os.path.join(checkpoints.checkpoint_dir(str(model_dir)), str(step)))
   test_fault_tolerance._train(model_dir, corpus, optimizer_overrides=optimizer)  # pylint: disable=protected-access
-  losses = _losses(str(model_dir))
+  losses = interrupt.losses(str(model_dir))
   assert sorted(losses) == list(range(1, 7)) and [len(losses[s]) for s in range(1, 7)] == [1, 1, 2, 2, 2, 2]
   assert all(values[0] == values[1] for values in list(losses.values())[2:]), losses
   assert losses[6][0] < losses[1][0]  # it trained

@@ -61,15 +61,6 @@ def _launch(method, model_dir, data_dir, base_dir, *, steps=STEPS, mesh="'data':
   return forkserver.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _records(model_dir) -> dict:
-  """{step: [its logged training record, once per launch that logged it]}."""
-  out = {}
-  for r in interrupt.logged(model_dir):
-    if "loss" in r:
-      out.setdefault(r["step"], []).append(r)
-  return out
-
-
 def _base(method, data_dir, tmp_path) -> str:
   """A random base MODEL_DIR of the launches' model (gpt_tiny.gin with SIZE) over `data_dir`'s vocabulary."""
   seq_len = METHODS[method][2]
@@ -89,7 +80,7 @@ def test_kill_9_then_resume_redoes_the_lost_steps_bit_for_bit(method, prefs, cha
   proc = _launch(method, killed, data_dir, base_dir)
 
   def replayable() -> bool:  # a committed checkpoint and >= 2 steps logged after it: the relaunch redoes them
-    logged = max(_records(killed), default=0)
+    logged = max(interrupt.by_step(killed), default=0)
     if logged < EVERY + 2 or not os.path.isdir(checkpointing.checkpoint_dir(killed)):
       return False
     steps = checkpointing.committed_steps(killed)
@@ -105,7 +96,7 @@ def test_kill_9_then_resume_redoes_the_lost_steps_bit_for_bit(method, prefs, cha
     cycle = resumed_from // 3 + 1
     assert resumed_from % 3 and f"{cycle}.npz" in os.listdir(os.path.join(killed, ppo_rollout.ROLLOUT_DIR))
   assert _launch(method, killed, data_dir, base_dir).wait(timeout=300) == 0, open(killed + ".log").read()[-3000:]
-  records = _records(killed)
+  records = interrupt.by_step(killed)
   assert sorted(records) == list(range(1, STEPS + 1))
   replayed = [step for step, logged in records.items() if len(logged) == 2]
   assert len(replayed) >= 2 and min(replayed) == resumed_from + 1, (replayed, resumed_from)
@@ -135,7 +126,7 @@ def test_two_processes_train_like_one(method, chat_data, tmp_path):
            for i in range(2)]
   for proc in procs:
     assert proc.wait(timeout=300) == 0, open(two + ".log").read()[-3000:]
-  single, multi = _records(one), _records(two)
+  single, multi = interrupt.by_step(one), interrupt.by_step(two)
   assert sorted(single) == sorted(multi) == list(range(1, steps + 1))
   assert any(logged[0]["loss"] != 0 for logged in single.values())  # it trained
   for step in single:

@@ -213,7 +213,7 @@ def test_sweep_killed_mid_way_and_relaunched_gives_the_same_table(corpus, tmp_pa
     proc = forkserver.Popen(command, cwd=REPO, env=cli_env, stdout=log, stderr=subprocess.STDOUT)
 
     def resumable() -> bool:  # the last run logged step 8 and has not committed its step-12 checkpoint
-      return (any(s >= 8 for s in _logged_steps(last)) and os.path.isdir(checkpointing.checkpoint_dir(last))
+      return (any(r["step"] >= 8 for r in interrupt.logged(last)) and os.path.isdir(checkpointing.checkpoint_dir(last))
               and checkpointing.committed_steps(last)[-1:] in ([4], [8]))
 
     interrupt.signal_when(proc, resumable, signal.SIGKILL, what="step 8 of the last run", timeout=600, poll=0.05,
@@ -230,13 +230,6 @@ def test_sweep_killed_mid_way_and_relaunched_gives_the_same_table(corpus, tmp_pa
     assert row["run"] == ref["run"] and row["status"] == "finished"
     for column in ("final_train_loss", "final_eval_loss", "opt_state_bytes_per_device", "params"):
       assert row[column] == ref[column], (row["run"], column, row[column], ref[column])
-
-
-def _logged_steps(model_dir) -> list:
-  try:
-    return [r["step"] for r in sweep_report.plots.read_records(model_dir)]
-  except (FileNotFoundError, ValueError):
-    return []
 
 
 def _table_missing(output_dir) -> bool:
