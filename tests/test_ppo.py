@@ -5,6 +5,7 @@ the trainer's, a run resumed inside a rollout cycle repeating the same updates),
 
 import dataclasses
 import os
+import types
 
 import flax.linen as nn
 import jax
@@ -154,7 +155,7 @@ def test_explained_variance():
 
 
 
-def test_rollouts_are_kept_while_a_committed_or_in_flight_checkpoint_resumes_into_their_cycle():
+def test_rollouts_are_kept_while_a_committed_or_in_flight_checkpoint_resumes_into_their_cycle(tmp_path):
   """3 updates per cycle, checkpoints every 4 steps unless said. CI's race: cycle 3 began (step 7) while the step-4
   save (it resumes in cycle 2) was still being written, so cycle 2's rollout must outlive a listing of committed
   checkpoints that does not show step 4 yet."""
@@ -170,6 +171,18 @@ def test_rollouts_are_kept_while_a_committed_or_in_flight_checkpoint_resumes_int
   # save may be in flight (8); 9 holds no checkpoint, and none can land in it any more
   assert ppo_rollout.stale_cycles([3, 8, 9, 10], [10, 20, 30], 4, 10, 10) == [9]
   assert ppo_rollout.stale_cycles([3, 8, 9, 10], [10, 20], 4, 10, 10) == [9]
+  # PpoRollouts._save applies it with the run's own settings (CI's case: nothing committed yet as cycle 3 begins),
+  # and _load reads the rollout back
+  rollouts = object.__new__(ppo_rollout.PpoRollouts)  # the saving and loading only: no model, no engine
+  rollouts.exp = types.SimpleNamespace(config=types.SimpleNamespace(model_dir=str(tmp_path), checkpoint_every=4))
+  rollouts.updates, rollouts.metrics = 3, {"reward_mean": 0.5}
+  for cycle in (1, 2, 3):
+    rollouts.data = {"advantages": np.full((2, 3), cycle, np.float32)}
+    rollouts._save(cycle)  # pylint: disable=protected-access
+  assert sorted(os.listdir(tmp_path / ppo_rollout.ROLLOUT_DIR)) == ["2.npz", "3.npz"]
+  rollouts._load(2, 5)  # pylint: disable=protected-access
+  assert rollouts.cycle == 2 and rollouts.metrics == {"reward_mean": 0.5}
+  np.testing.assert_array_equal(rollouts.data["advantages"], np.full((2, 3), 2, np.float32))
 
 
 # ----------------------------------------------------------------------------------------------------
