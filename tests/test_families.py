@@ -23,9 +23,9 @@ from t5x_like.model import decoder  # pylint: disable=g-import-not-at-top
 from t5x_like.model import layers  # pylint: disable=g-import-not-at-top
 from t5x_like.observe import flops  # pylint: disable=g-import-not-at-top
 from t5x_like.training import checkpointing  # pylint: disable=g-import-not-at-top
+from tests import interrupt  # pylint: disable=g-import-not-at-top
 from tests import test_fault_tolerance  # pylint: disable=g-import-not-at-top
 from tests import test_parallelism  # pylint: disable=g-import-not-at-top
-from tests.test_optimizer_resume import _losses  # pylint: disable=g-import-not-at-top
 from tests.decode_reference import engine_tokens, generate_by_recompute  # pylint: disable=g-import-not-at-top
 from tests.hf_reference import COMMON, INIT, VOCAB, padded_batch, save_tokenizer  # pylint: disable=g-import-not-at-top
 from tests.test_interop import _tensors  # pylint: disable=g-import-not-at-top
@@ -250,11 +250,11 @@ def test_gemma_options_resume_bit_for_bit(tmp_path, corpus):
   model.update(num_layers=2, sliding_window_pattern=2, d_model=32, num_heads=2, num_kv_heads=0, d_ff=64)
   test_fault_tolerance._train(tmp_path, corpus, model_overrides=model)  # pylint: disable=protected-access
   digest = lambda: checkpointing.params_digest(checkpointing.restore_params(str(tmp_path))[1])
-  first, losses = digest(), _losses(str(tmp_path))
+  first, losses = digest(), interrupt.losses(str(tmp_path))
   for step in (4, 6):
     shutil.rmtree(os.path.join(checkpointing.checkpoint_dir(str(tmp_path)), str(step)))
   test_fault_tolerance._train(tmp_path, corpus, model_overrides=model)  # pylint: disable=protected-access
-  resumed = _losses(str(tmp_path))
+  resumed = interrupt.losses(str(tmp_path))
   assert [resumed[s] for s in range(3, 7)] == [[losses[s][0]] * 2 for s in range(3, 7)]
   assert losses[6][0] < losses[1][0] and digest() == first
 
