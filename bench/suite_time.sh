@@ -5,9 +5,10 @@
 #   bash bench/suite_time.sh            # uncapped
 #   bash bench/suite_time.sh 1.5        # at most 1.5 CPU-seconds per second for the clone's whole .ci/run
 #
-# The cap is a cgroup CPU quota (v1 `cpu`/`cpuacct` or v2 `cpu.max`, 10 ms periods; needs root). A quota slows only
-# what wants more CPU than it allows, so it is not a slower core: compare the capped run's test time with an uncapped
-# run of the same commit on the same machine (the ratio is the slower machine it stands for), and name the CPU.
+# The cap is a cgroup CPU quota (v1 `cpu`/`cpuacct`, or v2 `cpu.max`: written to v2's interface, run so far only on
+# v1; 10 ms periods; needs root). A quota slows only what wants more CPU than it allows, so it is not a slower core:
+# compare the capped run's test time with an uncapped run of the same commit on the same machine (the ratio is the
+# slower machine it stands for), and name the CPU.
 # Prints the commit, the CPU model, pytest's summary line, the wall time and the CPU-seconds the run used; keeps
 # the log (with pytest's 30 slowest tests), removes the clone.
 set -euo pipefail
