@@ -12,6 +12,7 @@
 # Prints the commit, the CPU model, pytest's summary line, the wall time and the CPU-seconds the run used; keeps
 # the log (with pytest's 30 slowest tests), removes the clone.
 set -euo pipefail
+{  # read whole before it runs: the script may be edited while a run (10+ minutes) goes on
 CPUS="${1:-}"
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 WORK="$(mktemp -d /tmp/suite_time.XXXXXX)"
@@ -55,3 +56,4 @@ grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed)' "$WORK/LOG" | tail -1 ||
 echo "exit $status; .ci/run wall $((end - start)) s; CPU $(usage_seconds) s; $(throttled)"
 echo "log: $WORK/LOG"
 exit $status
+}
