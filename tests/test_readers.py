@@ -53,12 +53,14 @@ def test_every_format_yields_its_documents(corpus, tmp_path):
 
 
 def test_corrupt_file_is_named_and_skipped_missing_column_is_an_error(corpus, tmp_path):
-  inputs = write_formats(tmp_path, TEXTS)
+  root = tmp_path / ("a_folder_with_a_long_name_" * 6)  # the report names the file however long its path
+  root.mkdir()
+  inputs = write_formats(root, TEXTS)
   good = open(inputs[0], "rb").read()
-  (tmp_path / "broken.jsonl.gz").write_bytes(good[:len(good) // 2])  # truncated gzip
-  report = pp.preprocess([str(tmp_path / "*")], str(tmp_path / "out"), tokenizer=corpus, **KW)
+  (root / "broken.jsonl.gz").write_bytes(good[:len(good) // 2])  # truncated gzip
+  report = pp.preprocess([str(root / "*")], str(tmp_path / "out"), tokenizer=corpus, **KW)
   assert report["dropped"]["corrupt_input"] == 1 and report["documents_out"] == 12  # the rest unaffected
-  assert "broken.jsonl.gz" in report["filter_examples"]["corrupt_input"][0]
+  assert f"'{root / 'broken.jsonl.gz'}'" in report["filter_examples"]["corrupt_input"][0]
   pq.write_table(pa.table({"body": ["x"]}), tmp_path / "nocol.parquet")
   with pytest.raises(ValueError, match=r"Input '.*nocol.parquet' has no column 'text' \(--text_field\); its columns: body"):
     pp.preprocess([str(tmp_path / "nocol.parquet")], str(tmp_path / "o2"), tokenizer=corpus, **KW)

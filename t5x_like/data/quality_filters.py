@@ -47,11 +47,12 @@ _BOILERPLATE = re.compile("|".join(f"(?:{p})" for p in BOILERPLATE), re.I)
 _COMMON_PUNCTUATION = set(".,;:!?'\"()-–—’‘“”/%&")
 
 
-def note(examples: dict, rule: str, text: str) -> None:
-  """Keeps the first EXAMPLES_PER_RULE examples of `rule`, each cut to EXAMPLE_CHARS characters."""
+def note(examples: dict, rule: str, text: str, whole: bool = False) -> None:
+  """Keeps the first EXAMPLES_PER_RULE examples of `rule`, each cut to EXAMPLE_CHARS characters unless `whole` (a
+  message naming an input file, kept whole however long its path)."""
   kept = examples.setdefault(rule, [])
   if len(kept) < EXAMPLES_PER_RULE:
-    kept.append(text[:EXAMPLE_CHARS] + ("…" if len(text) > EXAMPLE_CHARS else ""))
+    kept.append(text if whole or len(text) <= EXAMPLE_CHARS else text[:EXAMPLE_CHARS] + "…")
 
 
 def merge_examples(per_input) -> dict:

@@ -225,12 +225,12 @@ def scan_file(raw: bytes, kind: str, config: CleaningConfig, doc_split: str = "f
     docs, scores = read_documents(raw, kind, doc_split, text_field, counts, name, score_field)
   except readers.CorruptInput as e:
     counts["dropped_corrupt_input"] += 1
-    quality_filters.note(examples, "corrupt_input", str(e))
+    quality_filters.note(examples, "corrupt_input", str(e), whole=True)
     docs, scores = [], None
   counts["documents_in"] += len(docs) + counts["dropped_bad_json"] + counts["dropped_missing_field"]
   if not docs and not counts["dropped_corrupt_input"]:
     counts["empty_inputs"] += 1
-    quality_filters.note(examples, "empty_input", name)
+    quality_filters.note(examples, "empty_input", name, whole=True)
   texts, kept_scores = [], []
   for k, doc in enumerate(docs):
     text = clean_text(doc, config, counts, kind)
