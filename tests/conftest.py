@@ -26,14 +26,16 @@ garbage_collector.quiet_garbage_collector()
 
 from t5x_like.parallel import distributed  # pylint: disable=g-import-not-at-top  (imports jax; no backend starts)
 
-# Two kinds of test module. Most run their programs long enough that XLA:CPU's optimisation pays for itself once
-# the compilation cache is warm: they compile as a user's run does, the expensive LLVM passes aside (a pair of
-# modules, 2-core AVX2 EPYC, warm: 162 s at optimisation level 0, 81 s at the default level). A module marked
-# `compile_bound` builds many programs it runs a few times: its programs compile with XLA's optimisation turned
-# down (jax_disable_most_optimizations: level 0; about 40% less compile time), set before each of its tests
-# (pytest_runtest_setup below). Both sides of every in-process comparison are compiled alike. Launched processes
-# compile like compile_bound modules (xla_flags(); JAX_DISABLE_MOST_OPTIMIZATIONS for those inheriting this
-# environment) unless a test launches them as a user's shell would (user_env()).
+# Two kinds of test module. Most build many programs they run a few times: they compile with XLA's optimisation
+# turned down (jax_disable_most_optimizations: level 0, about 40% less compile time), set before each test
+# (pytest_runtest_setup below). On a fresh machine, with the compilation cache empty, compiling is most of the suite's
+# time: XLA compiled 1,735 s of programs in one run with only 7 modules at level 0, 1,075 s with all of them; the whole
+# run took 1,427 against 1,114 s (2-core AMD EPYC Zen 4, 6 Dec 2026). A module marked `run_bound` runs its programs
+# long enough that XLA:CPU's optimisation pays for itself once the cache is warm: it compiles as a user's run does, the
+# expensive LLVM passes aside (with the cache warm those 6 modules took 69 s longer in all at level 0; a pair of
+# modules on a 2-core AVX2 EPYC: 162 s at level 0, 81 s at the default level). Both sides of every in-process
+# comparison are compiled alike. Launched processes compile at level 0 too (xla_flags(); JAX_DISABLE_MOST_OPTIMIZATIONS
+# for those inheriting this environment) unless a test launches them as a user's shell would (user_env()).
 TEST_XLA_FLAGS = "--xla_llvm_disable_expensive_passes=true"
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 " + TEST_XLA_FLAGS
 TEST_SETTINGS = ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")  # what user_env() leaves out
@@ -117,9 +119,9 @@ LONGEST_FILES = ("test_multihost.py", "test_rl_resume.py", "test_sweep.py", "tes
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-  """Before a test and its fixtures: XLA's optimisation turned down for a compile_bound module, on for any other."""
+  """Before a test and its fixtures: XLA's optimisation on for a run_bound module, turned down for any other."""
   import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update("jax_disable_most_optimizations", item.get_closest_marker("compile_bound") is not None)
+  jax.config.update("jax_disable_most_optimizations", item.get_closest_marker("run_bound") is None)
 
 
 def pytest_collection_finish(session):  # pylint: disable=unused-argument

@@ -24,8 +24,6 @@ from t5x_like.parallel import partitioning
 from t5x_like.posttrain import rollout
 from t5x_like.training import logprobs
 
-pytestmark = pytest.mark.compile_bound  # many programs, each run a few times (tests/conftest.py)
-
 DENSE = model_lib.GPTConfig(vocab_size=128, max_len=32, num_layers=2, num_heads=4, d_model=32, d_ff=64,
                             dtype="float32")
 MOE = model_lib.GPTConfig(vocab_size=128, max_len=32, num_layers=2, num_heads=4, num_kv_heads=2, d_model=32,

@@ -30,8 +30,6 @@ from tests.decode_reference import engine_tokens, generate_by_recompute  # pylin
 from tests.hf_reference import COMMON, INIT, VOCAB, padded_batch, save_tokenizer  # pylint: disable=g-import-not-at-top
 from tests.test_interop import _tensors  # pylint: disable=g-import-not-at-top
 
-pytestmark = pytest.mark.compile_bound  # many programs, each run a few times (tests/conftest.py)
-
 WINDOW = 5  # Mistral's window: shorter than every test sequence
 ARCH = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=64)

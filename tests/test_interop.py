@@ -43,8 +43,6 @@ from tests import test_parallelism  # pylint: disable=g-import-not-at-top
 from tests.hf_reference import (  # pylint: disable=g-import-not-at-top,unused-import  (fixtures too)
     VOCAB, TEXT, MODELS, padded_batch, hf_logits, our_logits, hf_models, imported, tokenizer)
 
-pytestmark = pytest.mark.compile_bound  # many programs, each run a few times (tests/conftest.py)
-
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_imported_logits_equal_transformers(name, hf_models, imported):

@@ -40,8 +40,6 @@ from t5x_like.training import train_state
 from t5x_like.training import trainer
 from t5x_like.training.objectives import language_model
 
-pytestmark = pytest.mark.compile_bound  # many programs, each run a few times (tests/conftest.py)
-
 
 @pytest.fixture(scope="module")
 def lora_run(corpus, base, tmp_path_factory):

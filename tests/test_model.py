@@ -10,8 +10,6 @@ import pytest
 from t5x_like.model import decoder as model_lib
 from t5x_like.parallel import partitioning
 
-pytestmark = pytest.mark.compile_bound  # many programs, each run a few times (tests/conftest.py)
-
 CFG = model_lib.GPTConfig(vocab_size=128, max_len=32, num_layers=2, num_heads=4, d_model=32, d_ff=64,
                           dtype="float32")
 

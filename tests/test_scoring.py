@@ -19,8 +19,6 @@ from t5x_like.parallel import mesh as mesh_lib
 from t5x_like.parallel import partitioning
 from tests.test_engine import DENSE, RULES, make_params, one_device
 
-pytestmark = pytest.mark.compile_bound  # many programs, each run a few times (tests/conftest.py)
-
 ATOL = 1e-4
 
 

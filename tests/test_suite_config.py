@@ -100,17 +100,17 @@ def test_the_test_processes_use_the_persistent_compilation_cache():
   assert jax.config.jax_platforms == os.environ["JAX_PLATFORMS"]
 
 
-def test_compile_bound_modules_compile_at_level_0_and_the_others_as_a_user_run(run_pytest):
-  """tests/conftest.py sets XLA's optimisation before each test: turned down in a module marked compile_bound (its
-  fixtures included), on elsewhere; a launched process inherits the turned-down setting, user_env() does not."""
+def test_run_bound_modules_compile_as_a_user_run_and_the_others_at_level_0(run_pytest):
+  """tests/conftest.py sets XLA's optimisation before each test: on in a module marked run_bound (its fixtures
+  included), turned down elsewhere; a launched process inherits the turned-down setting, user_env() does not."""
   check = ("import jax, os, pytest\n{mark}\n@pytest.fixture(scope='module')\ndef level():\n"
            "  return jax.config.read('jax_disable_most_optimizations')\n\n"
            "def test_level(level):\n"
            "  assert level is {expected} and jax.config.read('jax_disable_most_optimizations') is {expected}\n"
            "  assert os.environ['JAX_DISABLE_MOST_OPTIMIZATIONS'] == '1'\n")
-  files = {"test_a_bound.py": check.format(mark="pytestmark = pytest.mark.compile_bound\n", expected=True),
-           "test_b_run.py": check.format(mark="", expected=False),
-           "test_c_bound.py": check.format(mark="pytestmark = pytest.mark.compile_bound\n", expected=True)}
+  files = {"test_a_level0.py": check.format(mark="", expected=True),
+           "test_b_run.py": check.format(mark="pytestmark = pytest.mark.run_bound\n", expected=False),
+           "test_c_level0.py": check.format(mark="", expected=True)}
   code, out = run_pytest(files)
   assert code == 0 and "3 passed" in out, out
   assert not {"XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS"} & set(conftest.user_env())
