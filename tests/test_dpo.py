@@ -35,9 +35,7 @@ from t5x_like.training import train_state
 from t5x_like.training import trainer
 from t5x_like.posttrain import preference
 
-# run_bound (tests/conftest.py): its programs run long enough to repay XLA's optimisation; at level 0 the module
-# took 11 s longer with a warm cache (2-core AMD EPYC Zen 4, 6 Dec 2026).
-pytestmark = pytest.mark.run_bound
+pytestmark = pytest.mark.run_bound  # tests/conftest.py: 11 s longer at level 0 with the cache warm
 
 TINY = model_lib.GPTConfig(num_layers=2, num_heads=4, d_model=64, d_ff=256, max_len=64, dtype="float32")
 SEQ = 64

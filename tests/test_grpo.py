@@ -33,9 +33,7 @@ from t5x_like.training import trainer
 from t5x_like.posttrain import grpo
 from t5x_like.training.train_state import TrainState
 
-# run_bound (tests/conftest.py): its programs run long enough to repay XLA's optimisation; at level 0 the module
-# took 8 s longer with a warm cache (2-core AMD EPYC Zen 4, 6 Dec 2026).
-pytestmark = pytest.mark.run_bound
+pytestmark = pytest.mark.run_bound  # tests/conftest.py: 8 s longer at level 0 with the cache warm
 
 # ----------------------------------------------------------------------------------------------------
 # The update on a tiny case: a bigram "model" (logits = table[input token]) whose gradient is written by hand.

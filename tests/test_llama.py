@@ -24,9 +24,7 @@ from t5x_like.parallel import partitioning
 from tests import test_parallelism
 from tests.decode_reference import engine_tokens, generate_by_recompute
 
-# run_bound (tests/conftest.py): its programs run long enough to repay XLA's optimisation; at level 0 the module
-# took 10 s longer with a warm cache (2-core AMD EPYC Zen 4, 6 Dec 2026).
-pytestmark = pytest.mark.run_bound
+pytestmark = pytest.mark.run_bound  # tests/conftest.py: 10 s longer at level 0 with the cache warm
 
 LLAMA = dataclasses.replace(test_parallelism.CFG, norm="rmsnorm", mlp_activation="swiglu", position_embedding="rope",
                             num_kv_heads=4, use_bias=False, tie_embeddings=False)

@@ -27,9 +27,7 @@ from t5x_like.training import optimizer
 from t5x_like.training import precision
 from t5x_like.training import train_state
 
-# run_bound (tests/conftest.py): its programs run long enough to repay XLA's optimisation; at level 0 the module
-# took 12 s longer with a warm cache (2-core AMD EPYC Zen 4, 6 Dec 2026).
-pytestmark = pytest.mark.run_bound
+pytestmark = pytest.mark.run_bound  # tests/conftest.py: 12 s longer at level 0 with the cache warm
 
 # jax.nn.dot_product_attention's full (T/s, T) scores: the reference path computes causal attention by blocks of
 # query rows (about half the scores), so one device alone would already hold a ~1.4× longer sequence.

@@ -28,9 +28,7 @@ from t5x_like.training import config as config_lib
 from t5x_like.training import optimizer as optimizer_lib
 from t5x_like.training import trainer
 
-# run_bound (tests/conftest.py): its programs run long enough to repay XLA's optimisation; at level 0 the module
-# took 19 s longer with a warm cache (2-core AMD EPYC Zen 4, 6 Dec 2026).
-pytestmark = pytest.mark.run_bound
+pytestmark = pytest.mark.run_bound  # tests/conftest.py: 19 s longer at level 0 with the cache warm
 
 
 def test_pairs_are_laid_out_as_preference_rows_and_a_tie_trains_nothing():

@@ -36,9 +36,7 @@ from t5x_like.training import train_state
 from t5x_like.training import trainer
 from t5x_like.training.train_state import TrainState
 
-# run_bound (tests/conftest.py): its programs run long enough to repay XLA's optimisation; at level 0 the module
-# took 10 s longer with a warm cache (2-core AMD EPYC Zen 4, 6 Dec 2026).
-pytestmark = pytest.mark.run_bound
+pytestmark = pytest.mark.run_bound  # tests/conftest.py: 10 s longer at level 0 with the cache warm
 
 # ----------------------------------------------------------------------------------------------------
 # The arithmetic on a tiny case: a bigram policy (logits = table[input]) with a value table (V = values[input]).
