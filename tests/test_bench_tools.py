@@ -43,7 +43,7 @@ def test_jax_events_logs_traces_lowerings_compiles_and_cache_reads_with_their_si
   init = [r for r in records if r["ev"] == "trace" and r["site"] and r["site"][-1].startswith("t5x_like/model/")]
   assert len(init) == 1 and init[0]["fn"] == "<lambda>", [r["site"] for r in records if r["ev"] == "trace"]
 
-  monkeypatch.setattr(sys, "argv", ["jax_events_report.py", str(events), "--top", "2"])
+  monkeypatch.setattr(sys, "argv", ["jax_events_report.py", str(events), "--top", "50"])  # every one
   jax_events_report.main()
   out = capsys.readouterr().out
   assert "launched compile" in " ".join(out.split()) and "jit__lambda" in out and "t5x_like/model/" in out
