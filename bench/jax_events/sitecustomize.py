@@ -10,7 +10,7 @@ each with `wall` seconds, `pid`, `argv` (the process's first arguments), `pytest
 a test worker, not a process a test launched) and `test` (pytest's current test; a launch inherits its test's).
 Summarise with `python bench/jax_events_report.py $JAX_EVENTS_DIR`. For measurement only: the hook patches a private
 jax function (`jax._src.compiler.backend_compile_and_load`) when jax is first imported, and walks the stack on every
-trace, which slows a run by up to a tenth.
+trace and lowering.
 
   JAX_EVENTS_DIR=/tmp/events PYTHONPATH=bench/jax_events python -m pytest -q tests
 """
@@ -21,7 +21,6 @@ import json
 import os
 import sys
 import time
-import traceback
 
 _DIR = os.environ.get("JAX_EVENTS_DIR")
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
@@ -40,11 +39,15 @@ def write(record: dict) -> None:
 
 
 def sites(depth: int = 3) -> list:
-  """The innermost `depth` frames of the stack in this repository's own files (not its virtual environment's)."""
-  own = [f"{frame.filename[len(_REPO):]}:{frame.lineno}" for frame in traceback.extract_stack(limit=200)
-         if frame.filename.startswith(_REPO) and os.sep + ".venv" + os.sep not in frame.filename
-         and not frame.filename.endswith("sitecustomize.py")]
-  return own[-depth:]
+  """The innermost `depth` frames of the stack in this repository's own files (not its virtual environment's),
+  outermost first; walked from the caller outwards only until `depth` are found (no source lines read)."""
+  own, frame = [], sys._getframe(1)  # pylint: disable=protected-access
+  while frame is not None and len(own) < depth:
+    name = frame.f_code.co_filename
+    if name.startswith(_REPO) and os.sep + ".venv" + os.sep not in name and not name.endswith("sitecustomize.py"):
+      own.append(f"{name[len(_REPO):]}:{frame.f_lineno}")
+    frame = frame.f_back
+  return own[::-1]
 
 
 def _listener(event: str, duration: float, **kwargs) -> None:
