@@ -119,7 +119,7 @@ LONGEST_FILES = ("test_multihost.py", "test_rl_resume.py", "test_sweep.py", "tes
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-  """Before a test and its fixtures: XLA's optimisation on for a run_bound module, turned down for any other."""
+  """Before a test and its fixtures: XLA's optimisation on for a run_bound module or test, turned down for any other."""
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_disable_most_optimizations", item.get_closest_marker("run_bound") is None)
 

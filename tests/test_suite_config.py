@@ -101,8 +101,9 @@ def test_the_test_processes_use_the_persistent_compilation_cache():
 
 
 def test_run_bound_modules_compile_as_a_user_run_and_the_others_at_level_0(run_pytest):
-  """tests/conftest.py sets XLA's optimisation before each test: on in a module marked run_bound (its fixtures
-  included), turned down elsewhere; a launched process inherits the turned-down setting, user_env() does not."""
+  """tests/conftest.py sets XLA's optimisation before each test: on in a module or test marked run_bound (its
+  fixtures included), turned down elsewhere; a launched process inherits the turned-down setting, user_env() does
+  not."""
   check = ("import jax, os, pytest\n{mark}\n@pytest.fixture(scope='module')\ndef level():\n"
            "  return jax.config.read('jax_disable_most_optimizations')\n\n"
            "def test_level(level):\n"
@@ -110,9 +111,13 @@ def test_run_bound_modules_compile_as_a_user_run_and_the_others_at_level_0(run_p
            "  assert os.environ['JAX_DISABLE_MOST_OPTIMIZATIONS'] == '1'\n")
   files = {"test_a_level0.py": check.format(mark="", expected=True),
            "test_b_run.py": check.format(mark="pytestmark = pytest.mark.run_bound\n", expected=False),
-           "test_c_level0.py": check.format(mark="", expected=True)}
+           "test_c_level0.py": check.format(mark="", expected=True),
+           "test_d_one.py": ("import jax, pytest\n\n@pytest.mark.run_bound\ndef test_marked():\n"
+                             "  assert jax.config.read('jax_disable_most_optimizations') is False\n\n"
+                             "def test_unmarked():\n"
+                             "  assert jax.config.read('jax_disable_most_optimizations') is True\n")}
   code, out = run_pytest(files)
-  assert code == 0 and "3 passed" in out, out
+  assert code == 0 and "5 passed" in out, out
   assert not {"XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS"} & set(conftest.user_env())
   assert "--xla_backend_optimization_level=0" in conftest.xla_flags(2)
 
