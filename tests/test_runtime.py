@@ -103,3 +103,13 @@ def test_a_lora_checkpoint_without_its_base_is_a_one_line_error(corpus, runs, tm
   checkpointing.save_params(str(tmp_path), adapters, step=1, metadata={"lora": {"rank": 2, "alpha": 6.0}})
   with pytest.raises(ValueError, match=r"checkpoints/1: the checkpoint's LoRA metadata lacks lora.base"):
     runtime_lib.Runtime(dataclasses.replace(run_config(str(tmp_path), corpus)), TINY).restore_params()
+
+
+def test_a_lora_run_read_before_its_reader_is_registered_is_a_one_line_error(corpus, runs, monkeypatch):
+  """The LoRA reader registers when t5x_like.posttrain.lora_runs is imported (cli.py does, for every entry point); a
+  library caller that has not imported it gets an error naming the checkpoint and the module, not a failed restore
+  of the base's tree."""
+  monkeypatch.delitem(runtime_lib.READERS, "lora")
+  with pytest.raises(ValueError, match=r"checkpoints/3: a checkpoint with 'lora' metadata, whose reader is not "
+                                       r"registered: import t5x_like\.posttrain\.lora_runs first"):
+    runtime_lib.Runtime(run_config(runs["lora_dir"], corpus), TINY).restore_params()

@@ -32,6 +32,12 @@ from t5x_like.training.config import TrainConfig
 READERS: Dict[str, Callable] = {}
 
 
+# The kinds this package writes, and the module whose import registers each one's reader (the entry points import
+# them through cli.py; this layer cannot: posttrain/ sits above it). Reading such a checkpoint before its reader is
+# registered is an error that names the module, not a restore of the wrong tree.
+KINDS = {"lora": "t5x_like.posttrain.lora_runs"}
+
+
 def register_reader(key: str, reader: Callable) -> None:
   """Reads checkpoints whose metadata has `key` with `reader(runtime, step, path, metadata[key])`."""
   READERS[key] = reader
@@ -135,7 +141,8 @@ class Runtime:
 
   def checkpoint_kind(self, step: Optional[int] = None) -> Optional[tuple]:
     """(metadata key, its entry, checkpoint path) when MODEL_DIR's checkpoint (newest, or `step`) is of a
-    registered kind (READERS, e.g. a LoRA run's adapters), else None."""
+    registered kind (READERS, e.g. a LoRA run's adapters), else None; ValueError for a kind of KINDS whose reader
+    is not registered."""
     try:
       _, path = checkpointing.step_dir(self.config.model_dir, step)
       meta = checkpointing.read_metadata(path)
@@ -144,6 +151,10 @@ class Runtime:
     for key in READERS:
       if meta.get(key):
         return key, meta[key], path
+    for key, module in KINDS.items():
+      if meta.get(key):
+        raise ValueError(f"{path}: a checkpoint with '{key}' metadata, whose reader is not registered: import {module} "
+                         "first (the entry points do)")
     return None
 
   def restore_params(self, step: Optional[int] = None):
