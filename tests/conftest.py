@@ -30,10 +30,10 @@ from t5x_like.parallel import distributed  # pylint: disable=g-import-not-at-top
 # turned down (jax_disable_most_optimizations: level 0, about 40% less compile time), set before each test
 # (pytest_runtest_setup below). On a fresh machine, with the compilation cache empty, compiling is most of the suite's
 # time: XLA compiled 1,735 s of programs in one run with only 7 modules at level 0, 1,075 s with all of them; the whole
-# run took 1,427 against 1,114 s (2-core AMD EPYC Zen 4, 6 Dec 2026). A module marked `run_bound` runs its programs
-# long enough that XLA:CPU's optimisation pays for itself once the cache is warm: it compiles as a user's run does, the
-# expensive LLVM passes aside (with the cache warm those 6 modules took 69 s longer in all at level 0; a pair of
-# modules on a 2-core AVX2 EPYC: 162 s at level 0, 81 s at the default level). Both sides of every in-process
+# run took 1,427 against 1,114 s (2-core AMD EPYC Zen 4, 6 Dec 2026). A module (or one test) marked `run_bound` runs
+# its programs long enough that XLA:CPU's optimisation pays for itself once the cache is warm: it compiles as a user's
+# run does, the expensive LLVM passes aside (with the cache warm those 6 modules took 69 s longer in all at level 0; a
+# pair of modules on a 2-core AVX2 EPYC: 162 s at level 0, 81 s at the default level). Both sides of every in-process
 # comparison are compiled alike. Launched processes compile at level 0 too (xla_flags(); JAX_DISABLE_MOST_OPTIMIZATIONS
 # for those inheriting this environment) unless a test launches them as a user's shell would (user_env()).
 TEST_XLA_FLAGS = "--xla_llvm_disable_expensive_passes=true"
