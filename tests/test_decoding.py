@@ -207,3 +207,23 @@ def test_filters_apply_per_row():
   keys = jax.random.split(jax.random.key(0), 4)
   drawn = np.asarray(sampling.choose(jnp.asarray(logits), keys, temperature, top_k, top_p))
   assert drawn[0] == logits[0].argmax() and drawn[2] == logits[2].argmax() and drawn[1] in together[1]
+
+
+def test_one_row_that_filters_or_samples_is_treated_as_alone():
+  """filter_logits skips its sort, and choose its draw, only when no row of the batch needs them: one row that
+  asks among rows that do not is filtered (top-k, top-p) and drawn from exactly as it is alone."""
+  logits = random_logits(batch=4)
+  for top_k, top_p in (([0, 0, 2, 0], [1.0] * 4), ([0] * 4, [1.0, 0.5, 1.0, 1.0])):
+    together = kept(sampling.filter_logits(jnp.asarray(logits), top_k=np.array(top_k),
+                                           top_p=np.array(top_p, np.float32)))
+    row = next(r for r in range(4) if top_k[r] or top_p[r] < 1)
+    assert together[row] == kept(sampling.filter_logits(jnp.asarray(logits[row:row + 1]), top_k[row], top_p[row]))[0]
+    assert len(together[row]) < logits.shape[1]
+    assert all(len(together[r]) == logits.shape[1] for r in range(4) if r != row)
+  flat = np.zeros_like(logits)
+  flat[:, 0] = 1e-3  # argmax 0; a draw is nearly uniform over the 16 tokens
+  temperature = np.array([0.0, 0.0, 0.0, 1.0], np.float32)
+  keys = jax.random.split(jax.random.key(1), 4)
+  drawn = np.asarray(sampling.choose(jnp.asarray(flat), keys, temperature))
+  alone = np.asarray(sampling.choose(jnp.asarray(flat[3:]), keys[3:], temperature[3:]))
+  assert drawn.tolist()[:3] == [0, 0, 0] and drawn[3] == alone[0] != 0, (drawn, alone)

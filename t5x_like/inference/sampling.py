@@ -64,8 +64,16 @@ def filter_logits(logits: jax.Array, top_k=0, top_p=1.0) -> jax.Array:
   distribution with probability ≥ top_p. `top_k` (0 = off) and `top_p` (1 = off): scalars or (B,) per row."""
   rows, vocab = logits.shape
   top_k, top_p = _per_row(top_k, rows, jnp.int32), _per_row(top_p, rows, jnp.float32)
-  neg = jnp.finfo(logits.dtype).min
   k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)  # (B,)
+  # a row with both filters off keeps every logit: when no row filters (plain sampling, greedy), the sort of the
+  # whole vocabulary, most of a small model's decode step, is skipped
+  filters = jnp.any((k < vocab) | (top_p < 1.0))
+  return jax.lax.cond(filters, _filter, lambda logits, k, top_p: logits, logits, k, top_p)
+
+
+def _filter(logits: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
+  vocab = logits.shape[1]
+  neg = jnp.finfo(logits.dtype).min
   ranked = jnp.sort(logits, axis=-1)[:, ::-1]  # (B, V) descending
   kth = jnp.take_along_axis(ranked, (k - 1)[:, None], axis=1)  # (B, 1)
   logits = jnp.where(logits < kth, neg, logits)
@@ -86,12 +94,16 @@ def choose(logits: jax.Array, rng, temperature=0.0, top_k=0, top_p=1.0) -> jax.A
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   hot = temperature > 0
   tempered = logits / jnp.where(hot, temperature, 1.0)[:, None]
-  filtered = filter_logits(tempered, top_k, top_p)
-  if jnp.ndim(rng) == 0:
-    drawn = jax.random.categorical(rng, filtered, axis=-1)
-  else:
-    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(rng, filtered)
-  return jnp.where(hot, drawn.astype(jnp.int32), greedy)
+
+  def draw(tempered):
+    filtered = filter_logits(tempered, top_k, top_p)
+    if jnp.ndim(rng) == 0:
+      return jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
+    return jax.vmap(lambda key, row: jax.random.categorical(key, row))(rng, filtered).astype(jnp.int32)
+
+  # all rows greedy (evaluation, greedy decoding): no draw is made
+  drawn = jax.lax.cond(jnp.any(hot), draw, lambda tempered: greedy, tempered)
+  return jnp.where(hot, drawn, greedy)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
