@@ -4,6 +4,8 @@ import collections
 import json
 import os
 import shutil
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -263,3 +265,33 @@ def test_corrupt_shard_error_names_file_or_is_skipped(copy_dir, truncate):
   skipped = split_docs(rows_of(ip.make_dataset(copy_dir, "train", on_corrupt="skip", **common))
                        .reshape(-1))
   assert 0 < len(skipped) < full
+
+
+def test_release_frees_the_iterator_on_its_own_thread_once_the_caller_lets_go():
+  """trainer.train hands its tf.data iterator to `release` before it returns: freeing one can wait for tf.data's
+  autotuning thread (half a minute at the end of some demo runs), so the caller must not be the one that frees it,
+  and the caller's own reference must still work until it drops it."""
+  returned, freed = threading.Event(), {}
+
+  class SlowToFree:  # stands in for an iterator whose teardown waits
+    def __del__(self):
+      freed["thread"] = threading.current_thread().name
+      freed["after_the_caller_went_on"] = returned.wait(timeout=10)
+
+  def both_recorded():
+    for _ in range(1000):
+      if len(freed) == 2:
+        return dict(freed)
+      time.sleep(0.01)
+    return dict(freed)
+
+  ip.release(SlowToFree())  # the caller holds nothing: freed off its thread while the caller goes on
+  returned.set()
+  alone = both_recorded()
+  freed.clear()
+  held = SlowToFree()
+  ip.release(held)  # the caller still holds it: freed only once it lets go, and not by the caller
+  time.sleep(0.05)
+  assert not freed
+  del held
+  assert alone == both_recorded() == {"thread": "t5x_like-release-iterator", "after_the_caller_went_on": True}

@@ -293,4 +293,6 @@ def train(config: TrainConfig, model_config: model_lib.GPTConfig,
   if is_primary:
     _write_operative_config(config.model_dir)
   guard.raise_if_preempted(step, config.train_steps)
+  log.data_iterator = None
+  input_pipeline.release(train_iter)  # freed on its own thread once this frame is gone (tf.data's teardown can wait)
   return {**log.last, **evaluate.last}
