@@ -93,16 +93,15 @@ def choose(logits: jax.Array, rng, temperature=0.0, top_k=0, top_p=1.0) -> jax.A
   temperature = _per_row(temperature, rows, jnp.float32)
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   hot = temperature > 0
-  tempered = logits / jnp.where(hot, temperature, 1.0)[:, None]
 
-  def draw(tempered):
-    filtered = filter_logits(tempered, top_k, top_p)
+  def draw(logits):
+    filtered = filter_logits(logits / jnp.where(hot, temperature, 1.0)[:, None], top_k, top_p)
     if jnp.ndim(rng) == 0:
       return jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
     return jax.vmap(lambda key, row: jax.random.categorical(key, row))(rng, filtered).astype(jnp.int32)
 
-  # all rows greedy (evaluation, greedy decoding): no draw is made
-  drawn = jax.lax.cond(jnp.any(hot), draw, lambda tempered: greedy, tempered)
+  # all rows greedy (evaluation, greedy decoding): nothing is tempered, filtered or drawn
+  drawn = jax.lax.cond(jnp.any(hot), draw, lambda logits: greedy, logits)
   return jnp.where(hot, drawn, greedy)
 
 
