@@ -71,8 +71,9 @@ def test_cut_rows_keeps_every_token_in_order_and_restarts_cut_documents():
 def test_warmup_runs_short_rows_first_and_a_resumed_run_is_bit_identical(corpus, tmp_path, monkeypatch):
   """6 steps straight vs a copy of its step-3 checkpoint resumed to 6: the same lengths per step, losses
   and parameters. The straight run keeps one step in flight (the CPU default), the resumed one dispatches ahead
-  (TrainConfig.dispatch_ahead=True): the way steps are dispatched changes nothing they compute."""
-  seen, gates = [], []
+  (TrainConfig.dispatch_ahead=True): the way steps are dispatched changes nothing they compute. Each run hands its
+  training iterator to input_pipeline.release as it returns (tf.data's teardown can wait half a minute)."""
+  seen, gates, released = [], [], []
 
   class Gate(trainer.StepGate):
     def __init__(self, dispatch_ahead):
@@ -80,6 +81,7 @@ def test_warmup_runs_short_rows_first_and_a_resumed_run_is_bit_identical(corpus,
       gates.append(self.ahead)
 
   monkeypatch.setattr(trainer, "StepGate", Gate)
+  monkeypatch.setattr(trainer.input_pipeline, "release", lambda iterator: released.append(type(iterator).__name__))
   cut = curriculum.cut_rows
   monkeypatch.setattr(curriculum, "cut_rows", lambda batch, length: (seen.append(length), cut(batch, length))[1])
   warmup = curriculum.CurriculumConfig(seq_len_warmup_steps=4, seq_len_start=8, seq_len_multiple=8)
@@ -98,6 +100,7 @@ def test_warmup_runs_short_rows_first_and_a_resumed_run_is_bit_identical(corpus,
   seen.clear()
   run(conftest.rewind(tmp_path / "straight", tmp_path / "resumed", 3), 6, dispatch_ahead=True)
   assert seen == [16, 32, 32] and gates == [False, True]  # steps 4-6 continue the ramp where the checkpoint left it
+  assert released == ["OwnedIterator", "OwnedIterator"]  # tf.data's iterator of each run
   straight = losses(tmp_path / "straight")
   assert losses(tmp_path / "resumed") == {step: straight[step] for step in (4, 5, 6)}
   digests = [checkpointing.params_digest(checkpointing.restore_params(str(tmp_path / name))[1])
